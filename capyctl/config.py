@@ -1,0 +1,73 @@
+"""Where CapyCTL keeps things, resolved once from the environment.
+
+The system service uses the FHS paths; ``CAPYCTL_STATE_DIR`` and
+``CAPYCTL_RUNTIME_DIR`` move them (tests, a user's own instance).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_STATE_DIR = "/var/lib/capyctl"
+DEFAULT_RUNTIME_DIR = "/run/capyctl"
+DEFAULT_LISTEN = "127.0.0.1:8000"
+UNIT_PREFIX = "capyctl-"
+SLICE = "capyctl.slice"
+
+
+@dataclass(frozen=True)
+class Paths:
+    state_dir: Path
+    runtime_dir: Path
+
+    @property
+    def database(self) -> Path:
+        return self.state_dir / "state.db"
+
+    @property
+    def api_socket(self) -> Path:
+        return self.runtime_dir / "api.sock"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.state_dir / "models"
+
+    @property
+    def secrets_dir(self) -> Path:
+        """0700 directory with one 0600 environment file per engine launch (its per-launch key)."""
+        return self.state_dir / "secrets"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Paths":
+        env = os.environ if env is None else env
+        return cls(
+            state_dir=Path(env.get("CAPYCTL_STATE_DIR", DEFAULT_STATE_DIR)),
+            runtime_dir=Path(env.get("CAPYCTL_RUNTIME_DIR", DEFAULT_RUNTIME_DIR)),
+        )
+
+
+@dataclass
+class DaemonConfig:
+    """What ``capyctl start standalone`` and the system service run with."""
+
+    paths: Paths = field(default_factory=Paths.from_env)
+    listen: str = DEFAULT_LISTEN
+    # D-Bus address of the system bus to drive; None means the default system bus.
+    bus_address: str | None = None
+    admin_token: str | None = None
+    queue_per_deployment: int = 64
+    queue_total: int = 256
+    # RAM kept free for the host itself when CPU deployments are budgeted.
+    host_ram_reserve: int = 1 << 30
+
+
+def unit_name(deployment: str) -> str:
+    return f"{UNIT_PREFIX}{deployment}.service"
+
+
+def deployment_from_unit(unit: str) -> str | None:
+    if unit.startswith(UNIT_PREFIX) and unit.endswith(".service"):
+        return unit[len(UNIT_PREFIX):-len(".service")]
+    return None

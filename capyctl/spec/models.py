@@ -1,0 +1,184 @@
+"""The pydantic models of what a user writes: deployment manifests and engine registrations."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ._units import Duration, Size
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HF_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+_HF_REVISION = re.compile(r"^[A-Za-z0-9._/-]+$")
+
+EngineKind = Literal["llama.cpp", "vllm", "sglang", "tensorfold", "custom"]
+ENGINE_KIND_ALIASES = {
+    "llama.cpp": "llama.cpp", "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp",
+    "llama-server": "llama.cpp", "vllm": "vllm", "sglang": "sglang",
+    "tensorfold": "tensorfold", "custom": "custom",
+}
+CAPABILITIES = ("chat", "completions", "embeddings", "systemone", "logprobs", "tools")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HubModel(_Strict):
+    """A model on the Hugging Face Hub: ``repo`` or ``repo@revision``; pinned to a commit at deploy time."""
+
+    hf: str = Field(description="Hub repository, optionally pinned: `org/name` or `org/name@revision`.")
+    file: str | None = Field(default=None, description="One file of the repository to use (a GGUF for llama.cpp).")
+
+    @field_validator("hf")
+    @classmethod
+    def _check_hf(cls, v: str) -> str:
+        repo, _, revision = v.partition("@")
+        if not _HF_REPO.match(repo):
+            raise ValueError(f"{repo!r} is not a Hub repository name such as 'HuggingFaceTB/SmolLM2-135M-Instruct'")
+        if "@" in v and not _HF_REVISION.match(revision):
+            raise ValueError(f"{revision!r} is not a revision (a branch, tag or commit)")
+        return v
+
+    @property
+    def repo(self) -> str:
+        return self.hf.partition("@")[0]
+
+    @property
+    def revision(self) -> str | None:
+        return self.hf.partition("@")[2] or None
+
+
+class PathModel(_Strict):
+    """A model already on the host: a directory, or one file (a GGUF)."""
+
+    path: str = Field(description="Absolute path of the model directory or file on the host.")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"the model path must be absolute, got {v!r}")
+        return v
+
+
+ModelRef = Union[HubModel, PathModel]
+
+
+class Resources(_Strict):
+    gpus: int = Field(default=0, ge=0, le=64, description="Number of identical GPUs the deployment needs (0: CPU only).")
+    gpu_memory: Size | None = Field(default=None, description="GPU memory needed on each of its GPUs (8GiB, 40G).")
+    ram: Size | None = Field(default=None, description="Host RAM budget; becomes the unit's MemoryMax (2GiB, 512M).")
+    cpus: float | None = Field(default=None, gt=0, le=1024, description="CPU time in cores; becomes CPUQuota (1.5 = 150%).")
+    tasks_max: int = Field(default=4096, ge=16, description="Most processes and threads the unit may have (TasksMax).")
+
+
+class Timeouts(_Strict):
+    start: Duration = Field(default=600.0, gt=0, description="Longest wait for the engine to answer its health check after a start.")
+    wake: Duration = Field(default=600.0, gt=0, description="Longest wait for a parked deployment to serve again.")
+    park: Duration = Field(default=120.0, gt=0, description="Longest wait for in-flight requests to drain and the engine to park.")
+    stop: Duration = Field(default=30.0, gt=0, description="Grace time after SIGTERM before the unit is killed.")
+    request: Duration = Field(default=600.0, gt=0, description="Longest time one proxied request may take.")
+
+
+class DeploymentSpec(_Strict):
+    """A deployment manifest. Only ``name``, ``engine`` and ``model`` are required."""
+
+    kind: Literal["deployment"] = Field(default="deployment", description="Manifest kind; `deployment` is the default.")
+    name: str = Field(pattern=NAME_PATTERN, description="Deployment name: the `model` clients ask for and the unit `capyctl-<name>.service`.")
+    engine: str = Field(min_length=1, description="A registered engine's name, or a kind: llama.cpp, vllm, sglang, tensorfold.")
+    model: ModelRef = Field(description="`{hf: org/name[@revision]}` or `{path: /abs/dir-or-file}`.")
+    aliases: list[str] = Field(default_factory=list, description="Other model names clients may ask for.")
+    resources: Resources = Field(default_factory=Resources)
+    tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs one model instance spans on one host.")
+    hosts: list[str] = Field(default_factory=list, description="Hosts to run on; empty lets the scheduler choose.")
+    engine_args: list[str] = Field(default_factory=list, description="Extra arguments appended to the engine's command line.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
+    park: Literal["auto", "stop", "never"] = Field(default="auto", description="auto: the engine's own park if it has one, else stop; stop: always stop; never: never parked or evicted.")
+    park_level: Literal[1, 2] = Field(default=1, description="vLLM sleep level: 1 keeps weights in host RAM, 2 drops them.")
+    idle_park_after: Duration | None = Field(default=None, description="Park after this long with no request (10m, 1h); unset: only to make room.")
+    queue: int = Field(default=64, ge=1, le=100000, description="Most requests that may wait for this deployment; more get 429.")
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_name(cls, v: str) -> str:
+        if not re.match(NAME_PATTERN, v.lower()):
+            raise ValueError(f"{v!r} is not an engine name or kind")
+        return ENGINE_KIND_ALIASES.get(v.lower(), v)
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if not a or len(a) > 256 or any(c.isspace() for c in a):
+                raise ValueError(f"{a!r} is not a model alias (1 to 256 characters, no spaces)")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+            if key.startswith("CAPYCTL_"):
+                raise ValueError(f"{key!r}: names starting with CAPYCTL_ are reserved for CapyCTL")
+        return v
+
+    @model_validator(mode="after")
+    def _topology(self) -> "DeploymentSpec":
+        if self.tensor_parallel > 1 and self.resources.gpus and self.tensor_parallel > self.resources.gpus:
+            raise ValueError(
+                f"tensor_parallel is {self.tensor_parallel} but resources.gpus is {self.resources.gpus}: "
+                "each tensor-parallel rank needs its own GPU")
+        if self.resources.gpu_memory is not None and self.resources.gpus == 0:
+            raise ValueError("resources.gpu_memory is set but resources.gpus is 0")
+        return self
+
+    @property
+    def gpus_needed(self) -> int:
+        return max(self.resources.gpus, self.tensor_parallel if self.tensor_parallel > 1 else 0)
+
+
+class HttpCall(_Strict):
+    method: Literal["GET", "POST", "PUT", "DELETE"] = "POST"
+    path: str = Field(pattern=r"^/")
+    body: dict | list | None = None
+
+
+class EngineSpec(_Strict):
+    """An engine registration: a built-in kind found at ``path``, or a custom server described here."""
+
+    kind: Literal["engine"] = Field(description="Manifest kind: `engine`.")
+    name: str = Field(pattern=NAME_PATTERN, description="Name deployments use in their `engine` field.")
+    type: EngineKind = Field(description="llama.cpp, vllm, sglang, tensorfold or custom.")
+    path: str | None = Field(default=None, description="llama-server binary, or the virtual environment holding vllm/sglang/tensorfold.")
+    version: str | None = None
+    cmd: list[str] | None = Field(default=None, description="custom: command template with {port} {host} {model} {key} {name}.")
+    health: str = Field(default="/health", pattern=r"^/", description="custom: path answering 200 when ready.")
+    park: HttpCall | None = Field(default=None, description="custom: HTTP call that releases GPU memory in place.")
+    wake: HttpCall | None = Field(default=None, description="custom: HTTP call that restores it.")
+    env: dict[str, str] = Field(default_factory=dict)
+    capabilities: list[Literal["chat", "completions", "embeddings", "systemone", "logprobs", "tools"]] = Field(
+        default_factory=lambda: ["chat", "completions"])
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _kind(cls, v: object) -> object:
+        return ENGINE_KIND_ALIASES.get(v.lower(), v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _custom(self) -> "EngineSpec":
+        if self.type == "custom":
+            if not self.cmd:
+                raise ValueError("a custom engine needs `cmd`, a command template with {port}")
+            if not any("{port}" in part for part in self.cmd):
+                raise ValueError("`cmd` must contain {port}: CapyCTL leases the port the engine listens on")
+            if (self.park is None) != (self.wake is None):
+                raise ValueError("`park` and `wake` go together: give both or neither")
+        elif self.cmd is not None:
+            raise ValueError(f"`cmd` is only for custom engines; a {self.type} engine's command is built in")
+        return self
