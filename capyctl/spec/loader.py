@@ -144,7 +144,8 @@ def _problems(exc: ValidationError, root: yaml.Node | None) -> list[Problem]:
             continue
         seen.add((field, msg))
         problems.append(Problem(field, _key_line(root, loc), msg))
-    return problems
+    # Report in the order a reader meets them in the file.
+    return sorted(problems, key=lambda p: (p.line is None, p.line or 0))
 
 
 def parse_manifest(text: str, source: str = "<manifest>") -> DeploymentSpec | EngineSpec:

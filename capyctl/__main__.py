@@ -1,0 +1,3 @@
+from capyctl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,410 @@
+"""The ``capyctl`` command: ``capyctl <action> <resource> [options]``.
+
+Everything but ``validate``, ``start`` and ``daemon`` talks to the running daemon through
+its management socket.
+"""
+
+# PYTHON_ARGCOMPLETE_OK
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import argcomplete
+
+from .. import __version__
+from ..errors import CapyError
+from ..spec import DeploymentSpec, ManifestError, load_manifest
+from ._client import ApiClient
+from ._output import error, human_age, human_bytes, print_json, print_table
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+DESCRIPTION = """\
+CapyCTL runs more LLMs than a GPU machine can hold. Each model server (vLLM, SGLang,
+TensorFold, llama.cpp's llama-server or a custom engine) runs as a transient systemd unit
+capyctl-<deployment>.service in capyctl.slice, behind one OpenAI-compatible endpoint with
+an API key. A parked model releases its memory and wakes on the next request for it.
+"""
+
+EPILOG = """\
+examples:
+  capyctl validate --file smollm2.yaml
+  capyctl deploy model --file smollm2.yaml --activate --wait
+  capyctl list deployments
+  capyctl key create --name laptop --models smollm2
+  capyctl park deployment smollm2
+  capyctl logs deployment smollm2 -f
+
+environment:
+  CAPYCTL_STATE_DIR    state directory (default /var/lib/capyctl)
+  CAPYCTL_RUNTIME_DIR  runtime directory holding api.sock (default /run/capyctl)
+  CAPYCTL_API_SOCKET   management socket to talk to (default $CAPYCTL_RUNTIME_DIR/api.sock)
+
+files:
+  /etc/systemd/system/capyctl.{service,socket}, capyctl-api.socket, capyctl.slice
+  /var/lib/capyctl/state.db   engines, deployments and revisions, API keys, hosts
+
+exit status: 0 success, 1 the operation failed, 2 bad usage or an invalid manifest.
+see also: systemctl status 'capyctl-*', journalctl -u capyctl-<deployment>
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32, width=100)
+
+
+def _deployment_names(prefix, parsed_args, **_):
+    try:
+        return [d["name"] for d in ApiClient(getattr(parsed_args, "api_socket", None), timeout=2)
+                .request("GET", "/v1/deployments") if d["name"].startswith(prefix)]
+    except Exception:
+        return []
+
+
+def _engine_names(prefix, parsed_args, **_):
+    try:
+        return [e["name"] for e in ApiClient(getattr(parsed_args, "api_socket", None), timeout=2)
+                .request("GET", "/v1/engines") if e["name"].startswith(prefix)]
+    except Exception:
+        return []
+
+
+# -- commands that need no daemon ------------------------------------------------------------
+
+def cmd_validate(args) -> int:
+    status = 0
+    results = []
+    for path in args.file:
+        try:
+            spec = load_manifest(path)
+        except ManifestError as exc:
+            status = EXIT_USAGE
+            results.append(exc.to_dict() | {"file": path, "valid": False})
+            if not args.json:
+                print(str(exc), file=sys.stderr)
+            continue
+        kind = "deployment" if isinstance(spec, DeploymentSpec) else "engine"
+        results.append({"file": path, "valid": True, "kind": kind, "name": spec.name})
+        if not args.json:
+            print(f"{path}: valid {kind} manifest {spec.name!r}")
+    if args.json:
+        print_json(results if len(results) > 1 else results[0])
+    return status
+
+
+def cmd_start(args) -> int:
+    from ..daemon import run_standalone
+    return run_standalone(listen=args.listen, no_auth=args.no_auth, bus_address=args.bus_address)
+
+
+def cmd_daemon(args) -> int:
+    from ..daemon import run_service
+    return run_service(bus_address=args.bus_address)
+
+
+# -- deployments -----------------------------------------------------------------------------
+
+def _row(d: dict) -> list:
+    return [d["name"], d["state"], "yes" if d["state"] == "ready" else "no", d["revision"],
+            ",".join(d.get("hosts") or []) or "local", d.get("engine"),
+            d.get("reason") or ""]
+
+
+def cmd_deploy(args) -> int:
+    try:
+        spec = load_manifest(args.file)
+    except ManifestError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    if not isinstance(spec, DeploymentSpec):
+        error(f"{args.file} is an engine manifest; use 'capyctl engine add --file {args.file}'")
+        return EXIT_USAGE
+    body = {"spec": spec.model_dump(mode="json"), "activate": args.activate, "wait": args.wait}
+    client = ApiClient(args.api_socket)
+    final = None
+    for event in client.stream("POST", "/v1/deployments", body):
+        kind = event.get("event")
+        if kind == "progress" and not args.json:
+            print(f"{spec.name}: {event['message']}", file=sys.stderr, flush=True)
+        elif kind == "error":
+            err = event["error"]
+            raise CapyError(err["message"], code=err["code"])
+        elif kind == "done":
+            final = event["deployment"]
+    if final is None:
+        raise CapyError("the daemon closed the connection before the deploy finished", code="deploy_interrupted")
+    if args.json:
+        print_json(final)
+    else:
+        print(f"deployment {final['name']} revision {final['revision']}: {final['state']}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    client = ApiClient(args.api_socket)
+    what = args.resource
+    if what == "deployments":
+        rows = client.request("GET", "/v1/deployments")
+        if args.json:
+            print_json(rows)
+        else:
+            print_table(["NAME", "STATE", "READY", "REVISION", "HOSTS", "ENGINE", "REASON"], map(_row, rows))
+    elif what == "engines":
+        rows = client.request("GET", "/v1/engines")
+        if args.json:
+            print_json(rows)
+        else:
+            print_table(["NAME", "TYPE", "VERSION", "PATH"],
+                        [[e["name"], e["type"], e.get("version"), e.get("path")] for e in rows])
+    elif what == "keys":
+        return cmd_key_list(args)
+    elif what == "hosts":
+        rows = client.request("GET", "/v1/hosts")
+        if args.json:
+            print_json(rows)
+        else:
+            print_table(["NAME", "STATE", "GPUS", "MEMORY (FREE / TOTAL)", "ENGINES"],
+                        [[h["name"], h["state"], h.get("gpus", 0),
+                          f"{human_bytes(h.get('memory_free'))} / {human_bytes(h.get('memory_total'))}",
+                          ",".join(h.get("engines") or [])] for h in rows])
+    return 0
+
+
+def cmd_status(args) -> int:
+    d = ApiClient(args.api_socket).request("GET", f"/v1/deployments/{args.name}")
+    if args.json:
+        print_json(d)
+        return 0
+    now = time.time()
+    print(f"{d['name']} - revision {d['revision']}, engine {d['engine']}")
+    print(f"   State: {d['state']}" + (f" ({d['reason']})" if d.get("reason") else ""))
+    print(f"    Unit: {d['unit']}")
+    print(f"   Model: {d.get('model')}")
+    if d.get("port"):
+        print(f"Endpoint: 127.0.0.1:{d['port']} (loopback, per-launch key)")
+    print(f"  Memory: {human_bytes(d.get('memory_current'))}")
+    print(f"Requests: {d.get('in_flight', 0)} in flight, {d.get('waiting', 0)} waiting")
+    if d.get("last_used"):
+        print(f"Last use: {human_age(now - d['last_used'])} ago")
+    if d.get("journal"):
+        print("\nLast journal lines:")
+        for line in d["journal"]:
+            print(f"  {line}")
+    return 0
+
+
+def _action(verb: str):
+    def run(args) -> int:
+        d = ApiClient(args.api_socket, timeout=None).request("POST", f"/v1/deployments/{args.name}/{verb}")
+        if args.json:
+            print_json(d)
+        else:
+            print(f"deployment {d['name']}: {d['state']}")
+        return 0
+    return run
+
+
+def cmd_delete(args) -> int:
+    d = ApiClient(args.api_socket, timeout=None).request("DELETE", f"/v1/deployments/{args.name}")
+    print_json(d) if args.json else print(f"deployment {args.name} deleted")
+    return 0
+
+
+def cmd_logs(args) -> int:
+    path = f"/v1/deployments/{args.name}/logs?lines={args.lines}" + ("&follow=1" if args.follow else "")
+    client = ApiClient(args.api_socket, timeout=None)
+    try:
+        for event in client.stream("GET", path):
+            print(event["line"], flush=True)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# -- engines and keys ------------------------------------------------------------------------
+
+def cmd_engine_add(args) -> int:
+    body: dict = {"name": args.name}
+    if args.file:
+        body["spec"] = load_manifest(args.file).model_dump(mode="json")
+    else:
+        body["path"] = str(Path(args.path).resolve())
+    e = ApiClient(args.api_socket).request("POST", "/v1/engines", body)
+    print_json(e) if args.json else print(f"engine {e['name']}: {e['type']} {e.get('version') or ''} at {e.get('path')}")
+    return 0
+
+
+def cmd_engine_list(args) -> int:
+    args.resource = "engines"
+    return cmd_list(args)
+
+
+def cmd_engine_remove(args) -> int:
+    ApiClient(args.api_socket).request("DELETE", f"/v1/engines/{args.name}")
+    print(f"engine {args.name} removed")
+    return 0
+
+
+def cmd_key_create(args) -> int:
+    models = [m for m in (args.models or "").split(",") if m] or None
+    k = ApiClient(args.api_socket).request("POST", "/v1/keys", {"name": args.name, "models": models})
+    if args.json:
+        print_json(k)
+    else:
+        print(k["key"])
+        print(f"(key {k['id']} {k['name']!r}; shown once, stored hashed"
+              + (f"; models: {', '.join(models)}" if models else "; all models") + ")", file=sys.stderr)
+    return 0
+
+
+def cmd_key_list(args) -> int:
+    rows = ApiClient(args.api_socket).request("GET", "/v1/keys")
+    if args.json:
+        print_json(rows)
+    else:
+        print_table(["ID", "NAME", "MODELS", "CREATED", "REVOKED"],
+                    [[k["id"], k["name"], ",".join(k["models"]) if k["models"] else "all",
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(k["created_at"])),
+                      "yes" if k["revoked_at"] else "no"] for k in rows])
+    return 0
+
+
+def cmd_key_revoke(args) -> int:
+    k = ApiClient(args.api_socket).request("DELETE", f"/v1/keys/{args.id}")
+    print(f"key {k['id']} ({k['name']}) revoked")
+    return 0
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+def _common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--api-socket", metavar="PATH", help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="capyctl", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"capyctl {__version__}")
+    parser.add_argument("--api-socket", metavar="PATH",
+                        help="management socket (default: $CAPYCTL_API_SOCKET or /run/capyctl/api.sock)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help: str, description: str | None = None, **kw) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description or help, formatter_class=_Formatter, **kw)
+
+    p = add("validate", "check manifests without deploying them",
+            "Validate deployment or engine manifests. Each problem is printed as FILE:LINE: FIELD: message;\n"
+            "the exit status is 2 if any manifest is invalid.")
+    p.add_argument("--file", "-f", action="append", required=True, metavar="FILE",
+                   help="manifest to check (repeatable)").completer = argcomplete.FilesCompleter(("yaml", "yml"))
+    _common(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = add("start", "run CapyCTL in the foreground",
+            "Run the daemon in the foreground. Under systemd the service is socket-activated instead\n"
+            "(systemctl start capyctl.socket); 'start standalone' binds the sockets itself.")
+    p.add_argument("mode", choices=["standalone"], help="standalone: one host, sockets bound by CapyCTL")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT", help="OpenAI endpoint (default 127.0.0.1:8000)")
+    p.add_argument("--no-auth", action="store_true", help="serve the OpenAI endpoint without API keys (development only)")
+    p.add_argument("--bus-address", metavar="ADDRESS", help="D-Bus address of the systemd to drive (default: system bus)")
+    p.set_defaults(func=cmd_start)
+
+    p = add("daemon", "the system service's entry point (socket-activated by capyctl.socket)")
+    p.add_argument("--bus-address", metavar="ADDRESS", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_daemon)
+
+    p = add("deploy", "deploy a model from a manifest",
+            "Record a deployment (a changed manifest becomes a new revision) and, with --activate,\n"
+            "start it now; otherwise it starts on the first request for it.")
+    p.add_argument("resource", choices=["model"])
+    p.add_argument("--file", "-f", required=True, metavar="FILE", help="deployment manifest (YAML)").completer = \
+        argcomplete.FilesCompleter(("yaml", "yml"))
+    p.add_argument("--activate", action="store_true", help="start the deployment now")
+    p.add_argument("--wait", action="store_true", help="with --activate: wait until it serves, printing progress")
+    _common(p)
+    p.set_defaults(func=cmd_deploy)
+
+    p = add("list", "list deployments, engines, keys or hosts")
+    p.add_argument("resource", choices=["deployments", "engines", "keys", "hosts"])
+    _common(p)
+    p.set_defaults(func=cmd_list)
+
+    for verb, helptext, func in (
+            ("status", "show one deployment: state, unit, memory, last journal lines", cmd_status),
+            ("park", "park a deployment: release its memory; the next request wakes it", _action("park")),
+            ("wake", "wake a parked or stopped deployment now", _action("wake")),
+            ("stop", "stop a deployment's unit; it stays recorded and wakes on a request", _action("stop")),
+            ("delete", "stop a deployment and forget it", cmd_delete)):
+        p = add(verb, helptext)
+        p.add_argument("resource", choices=["deployment"])
+        p.add_argument("name", help="deployment name").completer = _deployment_names
+        _common(p)
+        p.set_defaults(func=func)
+
+    p = add("logs", "show a deployment's journal (journalctl -u capyctl-NAME)")
+    p.add_argument("resource", choices=["deployment"])
+    p.add_argument("name").completer = _deployment_names
+    p.add_argument("-n", "--lines", type=int, default=50, help="how many lines (default 50)")
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    _common(p, json_flag=False)
+    p.set_defaults(func=cmd_logs)
+
+    engine = add("engine", "register, list and remove engines")
+    esub = engine.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = esub.add_parser("add", help="register an engine found at PATH, or described by a manifest",
+                        description="Detect what PATH is (a llama-server binary, or a virtual environment with\n"
+                                    "vllm, sglang or tensorfold), record its version, and register it.",
+                        formatter_class=_Formatter)
+    p.add_argument("path", nargs="?", help="binary or virtual environment")
+    p.add_argument("--name", help="name deployments use (default: the engine type)")
+    p.add_argument("--file", metavar="FILE", help="engine manifest (kind: engine) instead of PATH")
+    _common(p)
+    p.set_defaults(func=cmd_engine_add)
+    p = esub.add_parser("list", help="list registered engines")
+    _common(p)
+    p.set_defaults(func=cmd_engine_list)
+    p = esub.add_parser("remove", help="remove an engine no deployment uses")
+    p.add_argument("name").completer = _engine_names
+    _common(p)
+    p.set_defaults(func=cmd_engine_remove)
+
+    key = add("key", "create, list and revoke API keys for the OpenAI endpoint")
+    ksub = key.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = ksub.add_parser("create", help="create a key; it is printed once and stored hashed")
+    p.add_argument("--name", default="default", help="a label for the key")
+    p.add_argument("--models", metavar="M1,M2", help="limit the key to these models (others answer 404)")
+    _common(p)
+    p.set_defaults(func=cmd_key_create)
+    p = ksub.add_parser("list", help="list keys (never their secrets)")
+    _common(p)
+    p.set_defaults(func=cmd_key_list)
+    p = ksub.add_parser("revoke", help="revoke a key by id or name")
+    p.add_argument("id")
+    _common(p)
+    p.set_defaults(func=cmd_key_revoke)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
+    if args.command == "engine" and args.action == "add" and not (args.path or args.file):
+        parser.error("engine add needs PATH or --file")
+    try:
+        return args.func(args) or 0
+    except CapyError as exc:
+        error(f"{exc.message} ({exc.code})")
+        return EXIT_USAGE if exc.status in (400, 422) else EXIT_ERROR
+    except ManifestError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130

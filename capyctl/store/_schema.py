@@ -1,0 +1,60 @@
+"""Schema migrations, applied in order; PRAGMA user_version records how far a database is."""
+
+MIGRATIONS: list[str] = [
+    # 1: the first schema
+    """
+    CREATE TABLE engines (
+        name        TEXT PRIMARY KEY,
+        type        TEXT NOT NULL,
+        spec_json   TEXT NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    CREATE TABLE deployments (
+        name        TEXT PRIMARY KEY,
+        revision    INTEGER NOT NULL,
+        desired     TEXT NOT NULL DEFAULT 'active',
+        created_at  REAL NOT NULL,
+        updated_at  REAL NOT NULL
+    );
+    CREATE TABLE revisions (
+        deployment  TEXT NOT NULL,
+        revision    INTEGER NOT NULL,
+        spec_json   TEXT NOT NULL,
+        spec_hash   TEXT NOT NULL,
+        model_commit TEXT,
+        created_at  REAL NOT NULL,
+        PRIMARY KEY (deployment, revision)
+    );
+    CREATE TABLE runtime (
+        deployment  TEXT PRIMARY KEY,
+        state       TEXT NOT NULL,
+        reason      TEXT,
+        host        TEXT NOT NULL DEFAULT 'local',
+        launch_id   TEXT,
+        port        INTEGER,
+        model_path  TEXT,
+        updated_at  REAL NOT NULL
+    );
+    CREATE TABLE api_keys (
+        id          TEXT PRIMARY KEY,
+        name        TEXT NOT NULL,
+        hash        TEXT NOT NULL,
+        models_json TEXT,
+        created_at  REAL NOT NULL,
+        revoked_at  REAL
+    );
+    CREATE TABLE hosts (
+        name        TEXT PRIMARY KEY,
+        kind        TEXT NOT NULL,
+        address     TEXT,
+        port        INTEGER,
+        identity    TEXT,
+        created_at  REAL NOT NULL
+    );
+    CREATE TABLE idempotency (
+        key         TEXT PRIMARY KEY,
+        response    TEXT NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    """,
+]
