@@ -1,0 +1,45 @@
+"""Engine adapters: how each engine is launched, probed, parked and woken, and engine detection.
+
+The controller builds a :class:`LaunchContext`, asks :func:`adapter_for` the engine's adapter
+for a :class:`LaunchPlan`, and runs it as a transient unit whose 0600 environment file holds
+``plan.secret_file_environment(key)``.
+"""
+
+from __future__ import annotations
+
+from ..errors import CapyError
+from ..spec import EngineSpec
+from ..spec.models import ENGINE_KIND_ALIASES
+from ._base import DEFAULT_KEY_ENV, EngineAdapter, LaunchContext, LaunchPlan, ParkMethod
+from ._detect import detect_engine
+from .custom import CustomAdapter
+from .llamacpp import LlamaCppAdapter
+from .sglang import SglangAdapter
+from .tensorfold import TensorFoldAdapter
+from .vllm import VllmAdapter
+
+_ADAPTERS: dict[str, EngineAdapter] = {
+    a.kind: a for a in (LlamaCppAdapter(), VllmAdapter(), SglangAdapter(), TensorFoldAdapter())
+}
+KINDS = tuple(sorted([*_ADAPTERS, "custom"]))
+
+
+def adapter_for(kind: str, engine: EngineSpec | None = None) -> EngineAdapter:
+    """The adapter of an engine kind (aliases such as ``llama-server`` accepted).
+
+    A custom engine's health path and park/wake calls live in its registration, so pass
+    ``engine`` for ``custom``; the built-in kinds ignore it.
+    """
+    canonical = ENGINE_KIND_ALIASES.get(kind.lower())
+    if canonical == "custom":
+        return CustomAdapter(engine)
+    if canonical is None or canonical not in _ADAPTERS:
+        raise CapyError(f"{kind!r} is not an engine kind; known kinds: {', '.join(KINDS)}",
+                        code="engine_kind_unknown", status=400)
+    return _ADAPTERS[canonical]
+
+
+__all__ = [
+    "DEFAULT_KEY_ENV", "KINDS", "EngineAdapter", "LaunchContext", "LaunchPlan", "ParkMethod", "adapter_for",
+    "detect_engine",
+]

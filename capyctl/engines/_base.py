@@ -1,0 +1,193 @@
+"""What every engine adapter shares: the launch data types, the abstract adapter and its HTTP helper."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import aiohttp
+
+from ..errors import CapyError, EngineError
+from ..spec import DeploymentSpec, EngineSpec
+
+ParkMethod = Literal["stop", "in_place"]
+
+# The environment-file variable that holds the per-launch key. systemd expands "${NAME}" in
+# ExecStart= at exec time from the unit's environment, so the key never appears in argv.
+DEFAULT_KEY_ENV = "CAPYCTL_ENGINE_KEY"
+
+# A health probe is polled; one hung probe must not stall the poller.
+HEALTH_TIMEOUT_S = 5.0
+
+
+@dataclass
+class LaunchContext:
+    """Everything an adapter needs to build one engine launch."""
+
+    deployment: DeploymentSpec
+    engine: EngineSpec
+    model_path: str  # a GGUF file for llama.cpp, a directory for the others
+    port: int  # leased by the controller
+    host: str = "127.0.0.1"
+    key_env: str = DEFAULT_KEY_ENV
+    gpu_indices: list[int] = field(default_factory=list)
+    cpu_threads: int | None = None
+    # A host may opt out of development controls (vLLM dev mode, SGLang memory saver); park = stop then.
+    dev_controls: bool = True
+
+    @property
+    def key_ref(self) -> str:
+        """How argv refers to the key: expanded by systemd from the 0600 environment file."""
+        return "${" + self.key_env + "}"
+
+
+@dataclass
+class LaunchPlan:
+    """The command line and environment of one engine launch.
+
+    ``environment`` holds nothing secret and may go into the unit's ``Environment=``.
+    ``secret_environment`` names the variables the engine reads its key from; each maps to the
+    name of the secret it must hold (today always the context's ``key_env``). Write the 0600
+    environment file with :meth:`secret_file_environment`.
+    """
+
+    argv: list[str]
+    environment: dict[str, str]
+    secret_environment: dict[str, str]
+    health_path: str
+    served_model: str | None
+    key_env: str = DEFAULT_KEY_ENV
+
+    def secret_file_environment(self, key: str) -> dict[str, str]:
+        """The variables of the 0600 environment file: the key under ``key_env`` and every engine name for it."""
+        env = {self.key_env: key}
+        for name in self.secret_environment:
+            env[name] = key
+        return env
+
+
+def headers_for(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def cuda_environment(ctx: LaunchContext) -> dict[str, str]:
+    # An empty CUDA_VISIBLE_DEVICES hides every GPU: a CPU deployment must not grab GPU 0 behind
+    # the scheduler's back.
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in ctx.gpu_indices)}
+
+
+def user_environment(ctx: LaunchContext) -> dict[str, str]:
+    """The engine registration's env, then the deployment's (the more specific one wins)."""
+    return {**ctx.engine.env, **ctx.deployment.env}
+
+
+def require_path(ctx: LaunchContext) -> str:
+    if not ctx.engine.path:
+        raise CapyError(
+            f"engine {ctx.engine.name!r} ({ctx.engine.type}) has no path; register it with the "
+            "binary or virtual environment it runs from", code="engine_path_missing", status=400)
+    return ctx.engine.path.rstrip("/") or "/"
+
+
+def require_gpus_for_tp(ctx: LaunchContext) -> int:
+    tp = ctx.deployment.tensor_parallel
+    if tp > 1 and len(ctx.gpu_indices) < tp:
+        raise CapyError(
+            f"deployment {ctx.deployment.name!r} asks for tensor_parallel {tp} but was given "
+            f"{len(ctx.gpu_indices)} GPU(s) {ctx.gpu_indices}", code="gpu_count_mismatch", status=400)
+    return tp
+
+
+def has_flag(args: list[str], *names: str) -> bool:
+    """Whether the user's engine_args already set one of these flags (``--flag`` or ``--flag=value``)."""
+    return any(a in names or any(a.startswith(n + "=") for n in names if n.startswith("--")) for a in args)
+
+
+async def call(session: aiohttp.ClientSession, method: str, base_url: str, path: str, key: str | None, *,
+               json: Any = None, params: Any = None, code: str, what: str) -> Any:
+    """One control call to an engine; any failure becomes an EngineError with ``code``.
+
+    No timeout here: parking and waking a large model can take minutes, so the caller bounds
+    the whole operation with the deployment's park/wake timeout.
+    """
+    url = base_url.rstrip("/") + path
+    try:
+        async with session.request(method, url, json=json, params=params, headers=headers_for(key)) as resp:
+            text = await resp.text()
+            if resp.status >= 400:
+                raise EngineError(
+                    f"{what} failed: {method} {path} answered HTTP {resp.status}: {text[:300].strip()}",
+                    code=code, detail={"status": resp.status, "path": path})
+            if resp.content_type == "application/json" and text:
+                return await resp.json()
+            return text
+    except aiohttp.ClientError as exc:
+        raise EngineError(f"{what} failed: cannot reach the engine at {base_url}: {exc}",
+                          code="engine_unreachable", detail={"path": path}) from exc
+
+
+class EngineAdapter(ABC):
+    """How CapyCTL launches, probes, parks and wakes one kind of engine.
+
+    ``park`` and ``wake`` assume the caller has already drained the deployment: no request in
+    flight and none admitted until the call returns. vLLM's default sleep aborts running
+    requests and SGLang's release asserts that none run, so parking without a drain loses work.
+    """
+
+    kind: ClassVar[str]
+    health_path: ClassVar[str] = "/health"
+    # Capabilities every engine of this kind has; a registration's explicit list adds to them.
+    base_capabilities: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})
+
+    def capabilities(self, engine: EngineSpec, *, deployment: DeploymentSpec | None = None,
+                     model_path: str | None = None) -> frozenset[str]:
+        """What the proxy may route to this engine. ``deployment`` and ``model_path`` refine it where
+        the engine's abilities depend on its flags or its model (llama-server's embeddings, systemone)."""
+        caps = set(self.base_capabilities)
+        if "capabilities" in engine.model_fields_set:
+            caps.update(engine.capabilities)
+        return frozenset(caps)
+
+    def park_method(self, target: LaunchContext | DeploymentSpec) -> ParkMethod:
+        return "stop"
+
+    @abstractmethod
+    def build_launch(self, ctx: LaunchContext) -> LaunchPlan:
+        ...
+
+    async def health(self, session: aiohttp.ClientSession, base_url: str, key: str | None) -> bool:
+        """True when ``GET <health path>`` answers 200; False on any other answer or no answer."""
+        try:
+            async with session.get(base_url.rstrip("/") + self.health_path, headers=headers_for(key),
+                                   timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def park(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int) -> None:
+        """Release the engine's memory in place. The caller must have drained in-flight requests first."""
+        raise EngineError(f"{self.kind} has no in-place park; stop the unit instead", code="park_unsupported")
+
+    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int) -> None:
+        """Restore what :meth:`park` released, so the engine serves again."""
+        raise EngineError(f"{self.kind} has no in-place wake; start the unit instead", code="park_unsupported")
+
+    async def is_parked(self, session: aiohttp.ClientSession, base_url: str, key: str | None) -> bool | None:
+        """Whether the engine reports itself parked; None when the engine cannot tell."""
+        return None
+
+
+def deployment_of(target: LaunchContext | DeploymentSpec) -> DeploymentSpec:
+    return target.deployment if isinstance(target, LaunchContext) else target
+
+
+def in_place_allowed(target: LaunchContext | DeploymentSpec) -> bool:
+    """The deployment wants the engine's own park and the host allows development controls."""
+    if deployment_of(target).park == "stop":
+        return False
+    if isinstance(target, LaunchContext) and not target.dev_controls:
+        return False
+    return True

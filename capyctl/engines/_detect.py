@@ -1,0 +1,118 @@
+"""Recognise an engine from a path: a llama-server binary, or a virtual environment holding an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import email.parser
+import os
+import re
+from pathlib import Path
+
+from ..errors import CapyError
+from ..spec import EngineSpec
+
+_LLAMA_VERSION = re.compile(r"version:\s*(\d+)\s*\(([0-9a-f]+)\)")
+VERSION_TIMEOUT_S = 15.0
+# Package name on PyPI -> engine kind and the launcher build_launch runs from the venv.
+VENV_ENGINES = {"tensorfold": "bin/tensorfold", "sglang": "bin/python", "vllm": "bin/vllm"}
+# SGLang venvs often hold vLLM as a dependency, never the other way round; so when a venv holds
+# several engines the first of this order is the one it was made for.
+_PREFERENCE = ("tensorfold", "sglang", "vllm")
+_METADATA_PROBE = (
+    "import importlib.metadata as m\n"
+    "for n in %r:\n"
+    "    try: print(n, m.version(n))\n"
+    "    except m.PackageNotFoundError: pass\n"
+)
+
+
+def _unrecognized(path: str, why: str) -> CapyError:
+    return CapyError(
+        f"{path} is not an engine CapyCTL knows: looked for a llama-server binary (answering "
+        f"`--version` with 'version: N (hash)') or a virtual environment with vllm, sglang or "
+        f"tensorfold installed; {why}", code="engine_unrecognized", status=400, detail={"path": path})
+
+
+async def _run(argv: list[str]) -> tuple[int, str]:
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.STDOUT)
+    except OSError as exc:
+        return -1, str(exc)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), VERSION_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        proc.kill()  # our own child, by its PID
+        await proc.wait()
+        return -1, f"`{' '.join(argv)}` did not finish within {VERSION_TIMEOUT_S:.0f} s"
+    return proc.returncode or 0, out.decode("utf-8", "replace")
+
+
+async def _llama_server_version(binary: str) -> str | None:
+    _, out = await _run([binary, "--version"])
+    m = _LLAMA_VERSION.search(out)
+    return f"{m.group(1)} ({m.group(2)})" if m else None
+
+
+def _dist_info_versions(venv: Path) -> dict[str, str]:
+    """Engine package versions from ``*.dist-info/METADATA`` without importing anything."""
+    found: dict[str, str] = {}
+    for site in sorted(venv.glob("lib*/python3*/site-packages")):
+        for meta in site.glob("*.dist-info/METADATA"):
+            head = meta.read_text(encoding="utf-8", errors="replace").split("\n\n", 1)[0]
+            msg = email.parser.HeaderParser().parsestr(head)
+            name = (msg.get("Name") or "").strip().lower().replace("_", "-")
+            if name in VENV_ENGINES and msg.get("Version"):
+                found.setdefault(name, msg["Version"].strip())
+    return found
+
+
+async def _python_metadata_versions(python: Path) -> dict[str, str]:
+    """Fallback for layouts without lib/python3*/site-packages: ask the venv's own interpreter
+    through importlib.metadata, which reads METADATA and imports no engine."""
+    rc, out = await _run([str(python), "-I", "-c", _METADATA_PROBE % (tuple(VENV_ENGINES),)])
+    if rc != 0:
+        return {}
+    versions = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in VENV_ENGINES:
+            versions[parts[0]] = parts[1]
+    return versions
+
+
+async def detect_engine(path: str, name: str | None = None) -> EngineSpec:
+    """An EngineSpec for what lies at ``path``; CapyError ``engine_unrecognized`` for anything else."""
+    p = Path(path)
+    if not p.is_absolute():
+        raise _unrecognized(path, "the path must be absolute")
+    if not p.exists():
+        raise _unrecognized(path, "nothing exists at that path")
+
+    if p.is_dir():
+        for candidate in (p / "llama-server", p / "bin" / "llama-server"):
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                version = await _llama_server_version(str(candidate))
+                if version:
+                    return EngineSpec(kind="engine", name=name or "llama.cpp", type="llama.cpp",
+                                      path=str(candidate), version=version)
+        versions = await asyncio.to_thread(_dist_info_versions, p)
+        python = p / "bin" / "python"
+        if not versions and python.exists():
+            versions = await _python_metadata_versions(python)
+        if not versions:
+            raise _unrecognized(path, "it is a directory with none of them")
+        kind = next(k for k in _PREFERENCE if k in versions)
+        launcher = p / VENV_ENGINES[kind]
+        if not (launcher.is_file() and os.access(launcher, os.X_OK)):
+            raise _unrecognized(path, f"{kind} {versions[kind]} is installed but {launcher} is missing "
+                                      "or not executable")
+        return EngineSpec(kind="engine", name=name or kind, type=kind, path=str(p), version=versions[kind])
+
+    if not os.access(p, os.X_OK):
+        raise _unrecognized(path, "it is a file that is not executable")
+    version = await _llama_server_version(str(p))
+    if version is None:
+        raise _unrecognized(path, "it is an executable that did not answer `--version` like llama-server")
+    return EngineSpec(kind="engine", name=name or "llama.cpp", type="llama.cpp", path=str(p), version=version)
