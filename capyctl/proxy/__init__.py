@@ -1,0 +1,16 @@
+"""The OpenAI-compatible proxy in front of every deployment.
+
+Public surface: :func:`build_app`, :func:`serve`, :func:`listen_sockets_from_systemd`,
+the key types (:class:`KeyVerifier`, :class:`KeyGrant`, :class:`StaticKeys`) and the
+Router protocol the controller implements (:mod:`capyctl.proxy.router`).
+"""
+
+from ._app import MiB, PASS_THROUGH_ROUTES, build_app
+from ._keys import KeyGrant, KeyVerifier, StaticKeys
+from ._sockets import listen_sockets_from_systemd, serve
+from .router import ModelEntry, Router, Upstream
+
+__all__ = [
+    "KeyGrant", "KeyVerifier", "MiB", "ModelEntry", "PASS_THROUGH_ROUTES", "Router", "StaticKeys", "Upstream",
+    "build_app", "listen_sockets_from_systemd", "serve",
+]

@@ -1,0 +1,403 @@
+"""The OpenAI-compatible proxy: key check, admission through the Router, pass-through to the engine.
+
+Only the routes registered here are reachable. Engine control routes (/sleep,
+/wake_up, /collective_rpc, /release_memory_occupation, /props, /slots, ...) are never
+forwarded: the proxy builds upstream URLs from its own route table, not from the
+client's path, and drops the query string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from ..errors import CapyError
+from . import _systemone
+from ._errors import error_response, sse_error_event
+from ._keys import KeyGrant, KeyVerifier
+from ._metrics import ProxyMetrics
+from .router import Router, Upstream
+
+log = logging.getLogger("capyctl.proxy")
+
+MiB = 1 << 20
+# Loopback engines accept at once or not at all; a long connect wait only hides a dead engine.
+CONNECT_TIMEOUT = 10.0
+# Questions of one /v1/systemone request asked at the same time (engines have a few slots).
+SYSTEMONE_PARALLEL = 4
+# Routes forwarded as they are; the upstream path is the same path on the engine.
+PASS_THROUGH_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+CLIENT_CLOSED = 499  # nginx's status for "client closed the request", used in metrics only
+
+
+@dataclass
+class ProxyState:
+    router: Router
+    keys: KeyVerifier | None
+    max_body: int
+    request_timeout: float | None
+    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+
+
+STATE = web.AppKey("capyctl_proxy_state", ProxyState)
+SESSION = web.AppKey("capyctl_proxy_session", aiohttp.ClientSession)
+# Per request: the deployment label for metrics, and a status that overrides the response's
+# (a stream that broke after its 200 headers, a client that went away).
+_DEPLOYMENT = "capyctl_deployment"
+_OUTCOME = "capyctl_outcome"
+
+
+def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * MiB,
+              request_timeout: float | None = None) -> web.Application:
+    """The proxy application.
+
+    ``keys`` None turns authentication off (standalone development only: anyone who
+    reaches the port may use every model). ``request_timeout`` bounds one upstream
+    exchange, from connecting to the engine to the last byte of its answer, not the
+    wait for admission (the Router bounds that); None means no bound.
+
+    Serve it with :func:`serve` so that a client that disconnects cancels its handler.
+    """
+    app = web.Application(client_max_size=max_body, middlewares=[_observe])
+    app[STATE] = ProxyState(router=router, keys=keys, max_body=max_body, request_timeout=request_timeout)
+    app.cleanup_ctx.append(_client_session)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/models", _models)
+    for path in PASS_THROUGH_ROUTES:
+        app.router.add_post(path, _pass_through)
+    app.router.add_post("/v1/systemone", _systemone_route)
+    return app
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    # limit=0: no pool limit, so 200 concurrent streams never queue inside aiohttp
+    # (admission is the Router's job, not the connection pool's).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        app[SESSION] = session
+        yield
+
+
+# ---------------------------------------------------------------- middleware
+
+def _from_http_exception(exc: web.HTTPException) -> CapyError:
+    if exc.status == 404:
+        return CapyError("There is no such route.", code="unknown_route", status=404)
+    if exc.status == 405:
+        return CapyError("This route does not take that method.", code="method_not_allowed", status=405)
+    if exc.status == 413:
+        return _too_large()
+    return CapyError(exc.reason or "HTTP error.", code=f"http_{exc.status}", status=exc.status)
+
+
+@web.middleware
+async def _observe(request: web.Request, handler) -> web.StreamResponse:
+    """Errors to the OpenAI shape, and one metrics sample per request."""
+    started = time.monotonic()
+    status = 500
+    try:
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            raise _from_http_exception(exc) from None
+        status = response.status
+        return response
+    except CapyError as err:
+        status = err.status
+        return error_response(err, param=err.detail.get("param"))
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED
+        raise
+    except Exception:
+        log.exception("proxy: unexpected error on %s %s", request.method, request.path)
+        return error_response(CapyError("The proxy failed to handle this request.", status=500))
+    finally:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else "unmatched"
+        request.app[STATE].metrics.record(deployment=request.get(_DEPLOYMENT, ""), route=route,
+                                          status=request.get(_OUTCOME, status),
+                                          seconds=time.monotonic() - started)
+
+
+# ---------------------------------------------------------------- request checks
+
+def _authorize(request: web.Request) -> KeyGrant | None:
+    """The key's grant; None when authentication is off."""
+    keys = request.app[STATE].keys
+    if keys is None:
+        return None
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise CapyError("No API key given: send it as 'Authorization: Bearer <key>'.",
+                        code="invalid_api_key", status=401)
+    grant = keys.verify(token)
+    if grant is None:
+        raise CapyError("The API key is not valid.", code="invalid_api_key", status=401)
+    return grant
+
+
+def _model_not_found(model: str) -> CapyError:
+    # One sentence for "no such model" and "not your model", so a scoped key learns nothing.
+    return CapyError(f"The model '{model}' does not exist or you do not have access to it.",
+                     code="model_not_found", status=404)
+
+
+def _too_large() -> CapyError:
+    return CapyError("The request body is larger than this proxy accepts.", code="request_too_large",
+                     status=413)
+
+
+async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any], str]:
+    """Raw bytes, parsed JSON object and its model name."""
+    max_body = request.app[STATE].max_body
+    if request.content_length is not None and request.content_length > max_body:
+        raise _too_large()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _too_large() from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CapyError("The request body is not valid JSON.", code="invalid_json", status=400) from None
+    if not isinstance(body, dict):
+        raise CapyError("The request body must be a JSON object.", code="invalid_json", status=400)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise CapyError("The request body has no 'model'.", code="missing_model", status=400)
+    return raw, body, model
+
+
+def _admit_model(request: web.Request, grant: KeyGrant | None, model: str) -> None:
+    if grant is not None and not grant.allows(model):
+        raise _model_not_found(model)
+    for entry in request.app[STATE].router.models():
+        if entry.id == model:
+            request[_DEPLOYMENT] = entry.deployment
+            break
+
+
+def _payload_for(upstream: Upstream, raw: bytes, body: dict[str, Any], model: str) -> bytes:
+    """The client's bytes untouched, unless the engine knows the model by another name."""
+    if upstream.served_model is None or upstream.served_model == model:
+        return raw
+    return json.dumps({**body, "model": upstream.served_model}).encode()
+
+
+# ---------------------------------------------------------------- routes
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    grant = _authorize(request)
+    if grant is not None and grant.models is not None:
+        # Metrics name every deployment; a key limited to some models must not see the others.
+        raise CapyError("This API key may not read metrics.", code="permission_denied", status=403)
+    state = request.app[STATE]
+    return web.Response(text=state.metrics.render(state.router.stats()),
+                        content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+async def _models(request: web.Request) -> web.Response:
+    grant = _authorize(request)
+    data = [
+        {"id": entry.id, "object": "model", "created": entry.created, "owned_by": "capyctl",
+         "capyctl": {"deployment": entry.deployment, "state": entry.state, "engine": entry.engine}}
+        for entry in request.app[STATE].router.models()
+        if grant is None or grant.allows(entry.id)
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _pass_through(request: web.Request) -> web.StreamResponse:
+    grant = _authorize(request)
+    raw, body, model = await _read_body(request)
+    _admit_model(request, grant, model)
+    try:
+        async with request.app[STATE].router.acquire(model) as upstream:
+            request[_DEPLOYMENT] = upstream.deployment
+            return await _forward(request, upstream, request.path, _payload_for(upstream, raw, body, model))
+    except CapyError as err:
+        if err.code == "model_not_found":
+            raise _model_not_found(model) from None
+        raise
+
+
+async def _systemone_route(request: web.Request) -> web.StreamResponse:
+    grant = _authorize(request)
+    raw, body, model = await _read_body(request)
+    _admit_model(request, grant, model)
+    parsed = _systemone.validate_request(body)  # before admission: a bad request wakes nothing
+    try:
+        async with request.app[STATE].router.acquire(model) as upstream:
+            request[_DEPLOYMENT] = upstream.deployment
+            if "systemone" in upstream.capabilities:
+                return await _forward(request, upstream, "/v1/systemone", _payload_for(upstream, raw, body, model))
+            if "logprobs" in upstream.capabilities:
+                _systemone.check_answerable(parsed)
+                return web.json_response(await _answer_from_logprobs(request, upstream, parsed))
+            raise CapyError(f"The engine of '{model}' answers neither /v1/systemone nor token "
+                            "log-probabilities.", code="systemone_unsupported", status=400)
+    except CapyError as err:
+        if err.code == "model_not_found":
+            raise _model_not_found(model) from None
+        raise
+
+
+# ---------------------------------------------------------------- upstream
+
+def _upstream_headers(upstream: Upstream) -> dict[str, str]:
+    # identity: the engine's bytes are passed on as they are, never re-encoded here.
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+    if upstream.api_key:
+        headers["Authorization"] = f"Bearer {upstream.api_key}"
+    return headers
+
+
+def _unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
+    if isinstance(exc, TimeoutError):
+        return CapyError(f"The engine of '{upstream.deployment}' did not answer in time.",
+                         code="engine_timeout", status=504)
+    return CapyError(f"The engine of '{upstream.deployment}' could not be reached or closed the "
+                     f"connection ({type(exc).__name__}).", code="engine_unreachable", status=502)
+
+
+async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
+                         payload: bytes) -> aiohttp.ClientResponse:
+    state = request.app[STATE]
+    timeout = aiohttp.ClientTimeout(total=state.request_timeout, sock_connect=CONNECT_TIMEOUT)
+    try:
+        response = await request.app[SESSION].post(upstream.base_url.rstrip("/") + path, data=payload,
+                                                   headers=_upstream_headers(upstream), timeout=timeout)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _unreachable(upstream, exc) from exc
+    if response.status in (401, 403):
+        # The per-launch key was refused: our fault, not the client's key.
+        response.close()
+        raise CapyError(f"The engine of '{upstream.deployment}' refused CapyCTL's launch key.",
+                        code="engine_auth_failed", status=502)
+    return response
+
+
+async def _forward(request: web.Request, upstream: Upstream, path: str, payload: bytes) -> web.StreamResponse:
+    upstream_response = await _open_upstream(request, upstream, path, payload)
+    try:
+        if upstream_response.content_type == "text/event-stream":
+            return await _stream(request, upstream, upstream_response)
+        try:
+            body = await upstream_response.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _unreachable(upstream, exc) from exc
+        return web.Response(status=upstream_response.status, body=body,
+                            headers={"Content-Type": upstream_response.headers.get("Content-Type",
+                                                                                   "application/json")})
+    finally:
+        # On every way out (cancellation included) an unfinished upstream answer is closed,
+        # not returned to the pool, so the engine sees the disconnect and stops generating.
+        upstream_response.close()
+
+
+def _complete_events_end(buffer: bytes) -> int:
+    """Length of the prefix of ``buffer`` that holds only complete SSE events."""
+    return max(buffer.rfind(b"\n\n") + 2 if b"\n\n" in buffer else 0,
+               buffer.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in buffer else 0)
+
+
+async def _stream(request: web.Request, upstream: Upstream,
+                  upstream_response: aiohttp.ClientResponse) -> web.StreamResponse:
+    response = web.StreamResponse(status=upstream_response.status, headers={
+        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await response.prepare(request)
+    # Whole events only, written as soon as they arrive: if the engine dies halfway
+    # through an event, the client gets our error event, not a torn line glued to it.
+    pending = b""
+    while True:
+        try:
+            chunk = await upstream_response.content.readany()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            error = _unreachable(upstream, exc)
+            request[_OUTCOME] = error.status
+            log.warning("proxy: stream from %s broke: %s", upstream.deployment, error)
+            return await _finish(request, response, sse_error_event(error))
+        if not chunk:
+            break
+        pending += chunk
+        cut = _complete_events_end(pending)
+        if cut:
+            try:
+                await response.write(pending[:cut])
+            except ConnectionError:
+                request[_OUTCOME] = CLIENT_CLOSED
+                return response
+            pending = pending[cut:]
+    return await _finish(request, response, pending)
+
+
+async def _finish(request: web.Request, response: web.StreamResponse, last: bytes) -> web.StreamResponse:
+    try:
+        if last:
+            await response.write(last)
+        await response.write_eof()
+    except ConnectionError:
+        request[_OUTCOME] = CLIENT_CLOSED
+    return response
+
+
+async def _answer_from_logprobs(request: web.Request, upstream: Upstream,
+                                parsed: _systemone.SystemOneRequest) -> dict[str, Any]:
+    """Ask each question as a one-token chat completion and read the option tokens' probabilities."""
+    gate = asyncio.Semaphore(SYSTEMONE_PARALLEL)
+    usage = {"input_tokens": 0, "output_tokens": 0}
+
+    async def ask(question) -> dict[str, Any]:
+        payload = {
+            "model": upstream.served_model or parsed.model,
+            "messages": _systemone.build_messages(parsed.state, question),
+            "max_tokens": 1, "temperature": 0, "stream": False,
+            "logprobs": True, "top_logprobs": _systemone.TOP_LOGPROBS,
+        }
+        async with gate:
+            upstream_response = await _open_upstream(request, upstream, "/v1/chat/completions",
+                                                     json.dumps(payload).encode())
+            try:
+                try:
+                    completion = await upstream_response.json(content_type=None)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise _unreachable(upstream, exc) from exc
+                except ValueError:
+                    completion = None
+            finally:
+                upstream_response.close()
+        if upstream_response.status != 200 or not isinstance(completion, dict):
+            detail = completion.get("error") if isinstance(completion, dict) else None
+            raise CapyError(f"The engine of '{upstream.deployment}' answered {upstream_response.status} to a "
+                            f"log-probability request: {json.dumps(detail)[:300]}", code="engine_error",
+                            status=502)
+        counts = completion.get("usage") or {}
+        usage["input_tokens"] += int(counts.get("prompt_tokens", 0))
+        usage["output_tokens"] += int(counts.get("completion_tokens", 0))
+        probabilities = _systemone.option_probabilities(question, _systemone.top_logprobs_of(completion))
+        return _systemone.format_answer(question, probabilities)
+
+    try:
+        async with asyncio.TaskGroup() as group:  # one failure cancels the other questions
+            tasks = {qid: group.create_task(ask(question)) for qid, question in parsed.questions.items()}
+    except ExceptionGroup as failures:
+        # The client gets one error: the first CapyError, else the first failure as it is.
+        first = next((exc for exc in failures.exceptions if isinstance(exc, CapyError)), failures.exceptions[0])
+        raise first from None
+    return {"model": parsed.model, "answers": {qid: task.result() for qid, task in tasks.items()},
+            "usage": usage}

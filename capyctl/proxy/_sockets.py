@@ -1,0 +1,86 @@
+"""Listening sockets: the ones systemd passes (socket activation), or one we bind."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from typing import MutableMapping, Sequence
+
+from aiohttp import web
+
+from ..errors import CapyError
+
+SD_LISTEN_FDS_START = 3
+
+
+def listen_sockets_from_systemd(names: Sequence[str] = ("openai", "api"), *,
+                                env: MutableMapping[str, str] | None = None) -> dict[str, socket.socket]:
+    """The sockets systemd passed to this process, by name; empty when it passed none.
+
+    Reads LISTEN_PID, LISTEN_FDS and LISTEN_FDNAMES as sd_listen_fds(3) documents them.
+    Plain os/socket rather than pystemd: the protocol is three environment variables
+    and consecutive fds from 3, and pystemd would add a C build (libsystemd-dev) to
+    the proxy's dependencies for it. When LISTEN_FDNAMES is absent (FileDescriptorName=
+    unset in an older unit), the fds take ``names`` in order; fds beyond those are
+    named "fd<N>". The variables are removed afterwards so that child processes never
+    mistake them for their own, and each fd is made close-on-exec.
+    """
+    env = os.environ if env is None else env
+    pid, count = env.get("LISTEN_PID"), env.get("LISTEN_FDS")
+    if not pid or not count:
+        return {}
+    try:
+        if int(pid) != os.getpid():
+            return {}  # meant for another process (we were started by the one they were for)
+        n_fds = int(count)
+    except ValueError:
+        raise CapyError(f"LISTEN_PID={pid!r} / LISTEN_FDS={count!r} are not numbers.",
+                        code="bad_socket_activation", status=500) from None
+    fd_names = env.get("LISTEN_FDNAMES", "").split(":") if env.get("LISTEN_FDNAMES") else list(names)
+    for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        env.pop(key, None)
+    sockets: dict[str, socket.socket] = {}
+    for index in range(n_fds):
+        fd = SD_LISTEN_FDS_START + index
+        name = fd_names[index] if index < len(fd_names) and fd_names[index] else f"fd{fd}"
+        if name in sockets:
+            raise CapyError(f"systemd passed two sockets named {name!r}.", code="bad_socket_activation",
+                            status=500)
+        fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
+        sock = socket.socket(fileno=fd)  # family and type come from the fd itself
+        sock.setblocking(False)
+        sockets[name] = sock
+    return sockets
+
+
+def _split_host_port(host_port: str) -> tuple[str, int]:
+    host, sep, port = host_port.rpartition(":")
+    if not sep or not port.isdigit():
+        raise CapyError(f"'{host_port}' is not HOST:PORT.", code="invalid_listen_address", status=400)
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def serve(app: web.Application, *, sock: socket.socket | None = None,
+                host_port: str | None = None, shutdown_timeout: float = 10.0) -> web.AppRunner:
+    """Start serving ``app`` on a passed socket or on HOST:PORT; the caller cleans the runner up.
+
+    Handlers are cancelled when their client disconnects (handler_cancellation), which is
+    how a client that goes away leaves its queue slot and stops its upstream request.
+    """
+    if (sock is None) == (host_port is None):
+        raise CapyError("Give either a socket or a HOST:PORT to serve on.", code="invalid_listen_address",
+                        status=400)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    try:
+        if sock is not None:
+            site: web.BaseSite = web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout)
+        else:
+            host, port = _split_host_port(host_port or "")
+            site = web.TCPSite(runner, host, port, shutdown_timeout=shutdown_timeout)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner

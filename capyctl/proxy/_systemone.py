@@ -1,0 +1,228 @@
+"""/v1/systemone: request validation, and answers computed from token log-probabilities.
+
+The response follows the native llama-server / TypeSafe shape exactly, so a client
+sees the same thing whether an engine answers natively or CapyCTL answers from
+log-probabilities: score levels are 0-based indices ("0".."n-1"), ``score`` is the
+expected index, and ``confidence`` uses TypeSafe's published formulas
+(0 = all options equally likely, 1 = certain).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import string
+from typing import Annotated, Any, Literal, Mapping, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..errors import CapyError
+
+JsonText = Union[str, dict[str, Any], list[Any]]
+TOP_LOGPROBS = 20
+# Letters label choice options in the prompt; each is one token in every tokenizer we know.
+CHOICE_LETTERS = string.ascii_uppercase
+MAX_SCORE_LEVELS = 10  # levels are numbered 0..9 in the prompt: one digit, one token
+
+
+class NoulCriteria(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    true: str | None = None
+    false: str | None = None
+
+
+class NoulQuestion(BaseModel):
+    type: Literal["noul"]
+    instructions: JsonText
+    criteria: NoulCriteria | None = None
+
+
+class ChoiceQuestion(BaseModel):
+    type: Literal["choice"]
+    instructions: JsonText
+    criteria: dict[str, str | None]
+
+    @field_validator("criteria")
+    @classmethod
+    def _at_least_two(cls, value: dict[str, str | None]) -> dict[str, str | None]:
+        if len(value) < 2:
+            raise ValueError("a choice needs at least 2 options")
+        if any(not label.strip() for label in value):
+            raise ValueError("option labels must not be blank")
+        return value
+
+
+class ScoreQuestion(BaseModel):
+    type: Literal["score"]
+    instructions: JsonText
+    criteria: list[str] = Field(min_length=2, max_length=MAX_SCORE_LEVELS)
+
+
+Question = Annotated[Union[NoulQuestion, ChoiceQuestion, ScoreQuestion], Field(discriminator="type")]
+
+
+class SystemOneRequest(BaseModel):
+    # Unknown top-level fields are ignored, as the native server does, and are still
+    # passed on to engines that serve the route themselves.
+    model: str
+    state: JsonText
+    questions: dict[str, Question] = Field(min_length=1)
+    images: list[str] | None = None
+
+
+def validate_request(body: Mapping[str, Any]) -> SystemOneRequest:
+    """Raises CapyError invalid_systemone_request (422) naming the first bad field."""
+    try:
+        return SystemOneRequest.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        if len(loc) >= 3 and loc[0] == "questions" and loc[2] in ("noul", "choice", "score"):
+            del loc[2]  # pydantic puts the union member's tag there; the client never wrote it
+        if first["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            loc.append("type")
+        path = ".".join(loc) or "body"
+        raise CapyError(f"{path}: {first['msg']}", code="invalid_systemone_request", status=422,
+                        detail={"param": path}) from None
+
+
+# ---------------------------------------------------------------- prompts
+
+def _as_text(value: JsonText) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def option_keys(question: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> list[str]:
+    """The answer's keys, in prompt order."""
+    if isinstance(question, NoulQuestion):
+        return ["true", "false"]
+    if isinstance(question, ChoiceQuestion):
+        return list(question.criteria)
+    return [str(i) for i in range(len(question.criteria))]
+
+
+def build_messages(state: JsonText, question: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> list[dict]:
+    """A chat prompt whose first answer token names one option."""
+    lines = [f"State:\n{_as_text(state)}", "", f"Question: {_as_text(question.instructions)}", ""]
+    if isinstance(question, NoulQuestion):
+        criteria = question.criteria or NoulCriteria()
+        lines.append("Answer yes or no." if not (criteria.true or criteria.false) else "Options:")
+        if criteria.true or criteria.false:
+            lines.append(f"yes: {criteria.true or 'true'}")
+            lines.append(f"no: {criteria.false or 'false'}")
+        reply = "Reply with only yes or no."
+    elif isinstance(question, ChoiceQuestion):
+        lines.append("Options:")
+        for letter, (label, description) in zip(CHOICE_LETTERS, question.criteria.items()):
+            lines.append(f"{letter}. {label}" + (f": {description}" if description else ""))
+        reply = "Reply with only the letter of the best option."
+    else:
+        lines.append("Levels, lowest first:")
+        for index, level in enumerate(question.criteria):
+            lines.append(f"{index}: {level}")
+        reply = "Reply with only the number of the level."
+    lines += ["", reply]
+    return [
+        {"role": "system", "content": "You answer questions about a state. " + reply},
+        {"role": "user", "content": "\n".join(lines)},
+    ]
+
+
+# ---------------------------------------------------------------- tokens to options
+
+def normalize_token(token: str) -> str:
+    """Lower-case, without the surrounding spaces and punctuation a tokenizer attaches ("▁A", " B.", "Yes,")."""
+    return token.replace("\u2581", " ").replace("\u0120", " ").strip().strip(string.punctuation + " ").casefold()
+
+
+def option_for_token(question: NoulQuestion | ChoiceQuestion | ScoreQuestion, token: str) -> str | None:
+    """The option key a first answer token stands for, or None."""
+    word = normalize_token(token)
+    if not word:
+        return None
+    if isinstance(question, NoulQuestion):
+        # "y", "ye", "yes" and "n", "no" are prefixes a model may start with; "true"/"false" too.
+        if "yes".startswith(word) or word == "true":
+            return "true"
+        if "no".startswith(word) or word == "false":
+            return "false"
+        return None
+    if isinstance(question, ScoreQuestion):
+        return word if word.isdigit() and int(word) < len(question.criteria) else None
+    labels = list(question.criteria)
+    if len(word) == 1 and word.upper() in CHOICE_LETTERS[:len(labels)]:
+        return labels[CHOICE_LETTERS.index(word.upper())]
+    # A model that answers with the label text instead: a prefix of exactly one label.
+    matches = [label for label in labels if normalize_token(label).startswith(word)]
+    return matches[0] if len(matches) == 1 else None
+
+
+def option_probabilities(question: NoulQuestion | ChoiceQuestion | ScoreQuestion,
+                         top_logprobs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Probabilities over the options from the top log-probabilities of the first answer token.
+
+    Each option gets the summed probability of the tokens that stand for it; an option
+    absent from the top list gets a floor of a tenth of the least likely listed token
+    (it was less likely than that, and no option is ever called impossible); then the
+    masses are renormalized to sum to 1. No listed option at all gives the uniform answer.
+    """
+    keys = option_keys(question)
+    mass = dict.fromkeys(keys, 0.0)
+    listed = [math.exp(float(entry["logprob"])) for entry in top_logprobs]
+    for entry, probability in zip(top_logprobs, listed):
+        key = option_for_token(question, str(entry.get("token", "")))
+        if key is not None:
+            mass[key] += probability
+    floor = (min(listed) if listed else 1.0) / 10
+    mass = {key: (value if value > 0 else floor) for key, value in mass.items()}
+    total = sum(mass.values())
+    return {key: value / total for key, value in mass.items()}
+
+
+def confidence_choice(probs: Sequence[float]) -> float:
+    uniform = 1.0 / len(probs)
+    return max(0.0, (max(probs) - uniform) / (1.0 - uniform))
+
+
+def confidence_score(probs: Sequence[float]) -> float:
+    """Mean distance to the mode, relative to a uniform distribution's (TypeSafe's formula)."""
+    n = len(probs)
+    mode = max(range(n), key=lambda i: probs[i])
+    dist = sum(p * abs(i - mode) for i, p in enumerate(probs))
+    dist_uniform = sum(abs(i - (n - 1) / 2) / n for i in range(n))
+    return max(0.0, 1.0 - dist / dist_uniform)
+
+
+def format_answer(question: NoulQuestion | ChoiceQuestion | ScoreQuestion,
+                  probabilities: dict[str, float]) -> dict:
+    if isinstance(question, NoulQuestion):
+        return {"type": "noul", "noul": probabilities["true"]}
+    values = list(probabilities.values())
+    if isinstance(question, ChoiceQuestion):
+        best = max(probabilities, key=probabilities.__getitem__)
+        return {"type": "choice", "choice": best, "probabilities": probabilities,
+                "confidence": confidence_choice(values)}
+    return {"type": "score", "score": sum(i * p for i, p in enumerate(values)),
+            "legend": {str(i): level for i, level in enumerate(question.criteria)},
+            "probabilities": probabilities, "confidence": confidence_score(values)}
+
+
+def top_logprobs_of(completion: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The top log-probabilities of the first generated token of a chat completion."""
+    try:
+        content = completion["choices"][0]["logprobs"]["content"]
+        return list(content[0]["top_logprobs"]) if content else []
+    except (KeyError, IndexError, TypeError):
+        raise CapyError("The engine answered without log-probabilities.", code="engine_error",
+                        status=502) from None
+
+
+def check_answerable(request: SystemOneRequest) -> None:
+    """What only a native decision model can do."""
+    if request.images:
+        raise CapyError("Images in /v1/systemone need an engine that serves decisions natively.",
+                        code="systemone_unsupported", status=400)
+    for qid, question in request.questions.items():
+        if isinstance(question, ChoiceQuestion) and len(question.criteria) > len(CHOICE_LETTERS):
+            raise CapyError(f"questions.{qid}.criteria: at most {len(CHOICE_LETTERS)} options can be answered "
+                            "from log-probabilities.", code="systemone_unsupported", status=400)
