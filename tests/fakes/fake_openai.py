@@ -1,0 +1,245 @@
+"""The OpenAI-compatible core the fake vLLM and fake SGLang servers share.
+
+A deterministic answer, token by token, with an optional per-token delay so a test can hold a
+request in flight; every running request is tracked so the engine's park can abort it or refuse.
+Run only through fake_vllm.py / fake_sglang.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class Aborted(Exception):
+    """The engine dropped this request (vLLM's default sleep does this to running requests)."""
+
+
+@dataclass
+class Running:
+    id: str
+    abort: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FakeEngine:
+    """State and routes common to both fakes; subclasses add the engine's own control routes."""
+
+    label = "fake"
+    owned_by = "fake"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.served_name: str = args.served_model_name or args.model
+        self.model_path: str = args.model
+        key = args.api_key
+        if not key and args.api_key_env:
+            key = os.environ.get(args.api_key_env) or None
+        self.api_key: str | None = key
+        self.token_delay: float = args.token_delay
+        self.max_model_len = 8192
+        self.created = int(time.time())
+        self.running: dict[str, Running] = {}
+        self.stats: dict[str, Any] = {"requests_total": 0, "completed": 0, "aborted": 0, "unauthorized": 0,
+                                      "rejected_unavailable": 0}
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def needs_auth(self, path: str) -> bool:
+        return not path.startswith("/fake/")
+
+    def unavailable_reason(self) -> str | None:
+        """Why generation cannot run now (asleep, memory released), or None."""
+        return None
+
+    def extra_routes(self, app: web.Application) -> None:
+        pass
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        return {**self.stats, "in_flight": len(self.running)}
+
+    # -- plumbing ------------------------------------------------------------------------------
+    @web.middleware
+    async def auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        if self.api_key and self.needs_auth(request.path):
+            if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                self.stats["unauthorized"] += 1
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.auth])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/fake/stats", self.fake_stats)
+        self.extra_routes(app)
+        return app
+
+    @staticmethod
+    def error(message: str, kind: str, status: int) -> web.Response:
+        return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                                 status=status)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def fake_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats_snapshot())
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.served_name, "object": "model", "created": self.created, "owned_by": self.owned_by,
+             "root": self.model_path, "parent": None, "max_model_len": self.max_model_len}]})
+
+    # -- generation ----------------------------------------------------------------------------
+    def answer_tokens(self, prompt: str, max_tokens: int) -> tuple[list[str], str]:
+        words = f"{self.label} {self.served_name} answers: {prompt}".split()
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        if len(pieces) > max_tokens:
+            return pieces[:max_tokens], "length"
+        return pieces, "stop"
+
+    async def _admit(self, request: web.Request) -> tuple[dict, web.Response | None]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}, self.error("the body is not JSON", "BadRequestError", 400)
+        if not isinstance(body, dict):
+            return {}, self.error("the body must be a JSON object", "BadRequestError", 400)
+        if body.get("model") not in (None, self.served_name):
+            return body, self.error(f"The model `{body.get('model')}` does not exist.", "NotFoundError", 404)
+        reason = self.unavailable_reason()
+        if reason:
+            self.stats["rejected_unavailable"] += 1
+            return body, self.error(reason, "ServiceUnavailableError", 503)
+        return body, None
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        messages = body.get("messages") or []
+        last_user = next((m.get("content", "") for m in reversed(messages)
+                          if isinstance(m, dict) and m.get("role") == "user"), "")
+        if isinstance(last_user, list):  # content parts
+            last_user = " ".join(p.get("text", "") for p in last_user if isinstance(p, dict))
+        prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
+        return await self._generate(request, body, str(last_user), prompt_tokens, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        prompt = body.get("prompt", "")
+        prompt = prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+        return await self._generate(request, body, prompt, len(prompt.split()), chat=False)
+
+    async def _generate(self, request: web.Request, body: dict, prompt: str, prompt_tokens: int,
+                        chat: bool) -> web.StreamResponse:
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS)
+        delay = float(body.get("fake_token_delay", self.token_delay))
+        pieces, finish = self.answer_tokens(prompt, max_tokens)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        run = Running(rid)
+        self.running[rid] = run
+        self.stats["requests_total"] += 1
+        try:
+            if body.get("stream"):
+                return await self._stream(request, body, run, pieces, finish, prompt_tokens, delay, chat)
+            for _ in pieces:
+                await self._tick(run, delay)
+            self.stats["completed"] += 1
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
+                     "total_tokens": prompt_tokens + len(pieces)}
+            text = "".join(pieces)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                       "finish_reason": finish} if chat else
+                      {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+            return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                                      "created": int(time.time()), "model": self.served_name,
+                                      "choices": [choice], "usage": usage})
+        except Aborted:
+            self.stats["aborted"] += 1
+            return self.error("The request was aborted: the engine was put to sleep.", "AbortedError", 503)
+        finally:
+            self.running.pop(rid, None)
+
+    async def _tick(self, run: Running, delay: float) -> None:
+        if run.abort.is_set():
+            raise Aborted()
+        if delay > 0:
+            try:
+                await asyncio.wait_for(run.abort.wait(), delay)
+            except asyncio.TimeoutError:
+                return
+            raise Aborted()
+
+    async def _stream(self, request: web.Request, body: dict, run: Running, pieces: list[str], finish: str,
+                      prompt_tokens: int, delay: float, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: dict | str, finish_reason: str | None) -> bytes:
+            choice = ({"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason} if chat
+                      else {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason})
+            data = {"id": run.id, "object": obj, "created": int(time.time()), "model": self.served_name,
+                    "choices": [choice]}
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        try:
+            if chat:
+                await resp.write(chunk({"role": "assistant", "content": ""}, None))
+            for piece in pieces:
+                await self._tick(run, delay)
+                await resp.write(chunk({"content": piece} if chat else piece, None))
+            await resp.write(chunk({} if chat else "", finish))
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"id": run.id, "object": obj, "created": int(time.time()), "model": self.served_name,
+                         "choices": [], "usage": {"prompt_tokens": prompt_tokens,
+                                                  "completion_tokens": len(pieces),
+                                                  "total_tokens": prompt_tokens + len(pieces)}}
+                await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+            self.stats["completed"] += 1
+        except Aborted:
+            self.stats["aborted"] += 1
+            err = {"error": {"message": "The request was aborted: the engine was put to sleep.",
+                             "type": "AbortedError", "code": 503}}
+            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    def abort_all(self) -> int:
+        for run in self.running.values():
+            run.abort.set()
+        return len(self.running)
+
+
+def common_arguments(parser: argparse.ArgumentParser, default_key_env: str | None) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", default=None, help="the key clients must send as Authorization: Bearer")
+    parser.add_argument("--api-key-env", default=default_key_env,
+                        help="read the key from this environment variable when --api-key is not given")
+    parser.add_argument("--token-delay", type=float, default=float(os.environ.get("FAKE_TOKEN_DELAY", "0")),
+                        help="seconds per generated token (holds requests in flight)")
+    parser.add_argument("--startup-delay", type=float, default=0.0,
+                        help="seconds before the port opens, as a real engine loading weights")
+
+
+def serve(engine: FakeEngine, host: str, port: int, startup_delay: float) -> None:
+    if startup_delay > 0:
+        time.sleep(startup_delay)
+    # run_app stops cleanly on SIGTERM, as systemd stops a unit.
+    web.run_app(engine.app(), host=host, port=port, print=None, access_log=None)
