@@ -1,0 +1,239 @@
+"""The management API: JSON over HTTP on a unix socket (root:capyctl 0660).
+
+The socket's permissions are the authentication: whoever may open it may manage CapyCTL,
+as with systemd's own private socket. Long operations answer NDJSON events, one a line, so
+the CLI can show progress (deploy --wait, logs -f).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from ..controller import Controller
+from ..errors import CapyError, InvalidRequest, NotFound
+from ..spec import DeploymentSpec, EngineSpec, ManifestError
+from ..store import Store
+
+log = logging.getLogger("capyctl.api")
+
+CONTROLLER = web.AppKey("controller", Controller)
+STORE = web.AppKey("store", Store)
+
+
+def _error(exc: CapyError | ManifestError) -> web.Response:
+    return web.json_response({"error": exc.to_dict()}, status=exc.status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except (CapyError, ManifestError) as exc:
+        return _error(exc)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # keep the daemon up; the caller sees a stable code
+        log.exception("management API: %s %s", request.method, request.path)
+        return _error(CapyError(f"internal error: {exc!r}"))
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        data = await request.json()
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _validate(model, data: Any, source: str):
+    from ..spec.loader import Problem
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ManifestError(source, [Problem(".".join(str(p) for p in e["loc"]), None, e["msg"])
+                                     for e in exc.errors()]) from None
+
+
+# -- deployments ---------------------------------------------------------------------------------
+
+async def list_deployments(request: web.Request) -> web.Response:
+    ctl = request.app[CONTROLLER]
+    return web.json_response([a.describe() for a in sorted(ctl.actors.values(), key=lambda a: a.name)])
+
+
+async def get_deployment(request: web.Request) -> web.Response:
+    ctl = request.app[CONTROLLER]
+    return web.json_response(await ctl.describe(request.match_info["name"]))
+
+
+async def create_deployment(request: web.Request) -> web.StreamResponse:
+    ctl = request.app[CONTROLLER]
+    body = await _body(request)
+    spec = _validate(DeploymentSpec, body.get("spec"), "request body: spec")
+    activate = bool(body.get("activate"))
+    wait = bool(body.get("wait"))
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    events: asyncio.Queue = asyncio.Queue()
+
+    def progress(message: str) -> None:
+        events.put_nowait({"event": "progress", "message": message})
+
+    async def run() -> dict:
+        actor = await ctl.deploy(spec, activate=False, progress=progress)
+        if activate:
+            waker = actor.submit("wake", progress=progress)
+            if wait:
+                await waker
+        return actor.describe()
+
+    task = asyncio.create_task(run())
+    while True:
+        getter = asyncio.create_task(events.get())
+        done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if getter in done:
+            await resp.write((json.dumps(getter.result()) + "\n").encode())
+            continue
+        getter.cancel()
+        while not events.empty():
+            await resp.write((json.dumps(events.get_nowait()) + "\n").encode())
+        break
+    try:
+        final = {"event": "done", "deployment": task.result()}
+    except CapyError as exc:
+        final = {"event": "error", "error": exc.to_dict()}
+    await resp.write((json.dumps(final) + "\n").encode())
+    await resp.write_eof()
+    return resp
+
+
+def _action(verb: str):
+    async def handler(request: web.Request) -> web.Response:
+        ctl = request.app[CONTROLLER]
+        actor = await getattr(ctl, verb)(request.match_info["name"])
+        return web.json_response(actor.describe())
+    return handler
+
+
+async def delete_deployment(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    await request.app[CONTROLLER].delete(name)
+    return web.json_response({"name": name, "deleted": True})
+
+
+async def deployment_logs(request: web.Request) -> web.StreamResponse:
+    from ..systemd import journal_follow, journal_tail
+    ctl = request.app[CONTROLLER]
+    actor = ctl.get(request.match_info["name"])
+    lines = int(request.query.get("lines", "50"))
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    for line in await journal_tail(actor.unit, lines):
+        await resp.write((json.dumps({"line": line}) + "\n").encode())
+    if request.query.get("follow"):
+        async for line in journal_follow(actor.unit):
+            await resp.write((json.dumps({"line": line}) + "\n").encode())
+    await resp.write_eof()
+    return resp
+
+
+# -- engines ----------------------------------------------------------------------------------------
+
+def _engine_json(e: EngineSpec) -> dict:
+    return e.model_dump(mode="json")
+
+
+async def list_engines(request: web.Request) -> web.Response:
+    return web.json_response([_engine_json(e) for e in request.app[STORE].list_engines()])
+
+
+async def add_engine(request: web.Request) -> web.Response:
+    from ..engines import detect_engine
+    body = await _body(request)
+    if body.get("spec"):
+        spec = _validate(EngineSpec, body["spec"], "request body: spec")
+        if body.get("name"):
+            spec = spec.model_copy(update={"name": body["name"]})
+    elif body.get("path"):
+        spec = await detect_engine(body["path"], body.get("name"))
+    else:
+        raise InvalidRequest("give a path to detect or an engine spec", code="missing_path")
+    request.app[STORE].put_engine(spec)
+    return web.json_response(_engine_json(spec), status=201)
+
+
+async def remove_engine(request: web.Request) -> web.Response:
+    request.app[STORE].remove_engine(request.match_info["name"])
+    return web.json_response({"name": request.match_info["name"], "removed": True})
+
+
+# -- keys -------------------------------------------------------------------------------------------
+
+def _key_json(k) -> dict:
+    return {"id": k.id, "name": k.name, "models": sorted(k.models) if k.models else None,
+            "created_at": k.created_at, "revoked_at": k.revoked_at}
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    return web.json_response([_key_json(k) for k in request.app[STORE].list_keys()])
+
+
+async def create_key(request: web.Request) -> web.Response:
+    body = await _body(request)
+    models = body.get("models")
+    if models is not None and (not isinstance(models, list) or not all(isinstance(m, str) for m in models)):
+        raise InvalidRequest("models must be a list of model names", code="invalid_models")
+    record, secret = request.app[STORE].create_key(str(body.get("name") or "default"), models or None)
+    return web.json_response(_key_json(record) | {"key": secret}, status=201)
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    return web.json_response(_key_json(request.app[STORE].revoke_key(request.match_info["id"])))
+
+
+# -- hosts ------------------------------------------------------------------------------------------
+
+async def list_hosts(request: web.Request) -> web.Response:
+    from ..hosts import host_inventory
+    inv = await asyncio.to_thread(host_inventory)
+    engines = sorted({e.type for e in request.app[STORE].list_engines()})
+    gpus = len(inv.gpus)
+    total = sum(g.memory_total for g in inv.gpus) if gpus else inv.ram_total
+    free = sum(g.memory_free for g in inv.gpus) if gpus else inv.ram_available
+    return web.json_response([{"name": "local", "state": "online", "gpus": gpus, "memory_total": total,
+                               "memory_free": free, "engines": engines}])
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+def build_api(controller: Controller, store: Store) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=4 << 20)
+    app[CONTROLLER] = controller
+    app[STORE] = store
+    r = app.router
+    r.add_get("/v1/health", health)
+    r.add_get("/v1/deployments", list_deployments)
+    r.add_post("/v1/deployments", create_deployment)
+    r.add_get("/v1/deployments/{name}", get_deployment)
+    r.add_delete("/v1/deployments/{name}", delete_deployment)
+    for verb in ("park", "wake", "stop"):
+        r.add_post(f"/v1/deployments/{{name}}/{verb}", _action(verb))
+    r.add_get("/v1/deployments/{name}/logs", deployment_logs)
+    r.add_get("/v1/engines", list_engines)
+    r.add_post("/v1/engines", add_engine)
+    r.add_delete("/v1/engines/{name}", remove_engine)
+    r.add_get("/v1/keys", list_keys)
+    r.add_post("/v1/keys", create_key)
+    r.add_delete("/v1/keys/{id}", revoke_key)
+    r.add_get("/v1/hosts", list_hosts)
+    return app

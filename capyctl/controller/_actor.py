@@ -1,0 +1,495 @@
+"""One deployment's state machine, owned by one asyncio task.
+
+Every change of state goes through the actor's command queue, so two requests never race a
+wake and a park never cuts a request short. Requests do not change state: they only count
+themselves (waiting, in flight) and ask for a wake, joining the one already under way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..config import unit_name
+from ..errors import CapyError, QueueFull, Unavailable
+from ..proxy.router import Upstream
+from ..spec import DeploymentSpec, EngineSpec
+from ..store import Revision
+
+if TYPE_CHECKING:
+    from ._controller import Controller
+
+log = logging.getLogger("capyctl.controller")
+
+# States, as the design names them.
+STOPPED, STARTING, READY, PARKING, PARKED, WAKING, STOPPING, FAILED = (
+    "stopped", "starting", "ready", "parking", "parked", "waking", "stopping", "failed")
+RUNNING_STATES = {STARTING, READY, PARKING, WAKING}
+# How long a failed deployment refuses wakes before trying again (doubles per failure, capped).
+RESTART_BACKOFF_S = 2.0
+RESTART_BACKOFF_MAX_S = 300.0
+
+Progress = Callable[[str], None]
+
+
+def _no_progress(_: str) -> None:
+    pass
+
+
+class Busy(CapyError):
+    code = "deployment_busy"
+    status = 409
+
+
+@dataclass
+class _Command:
+    op: str  # wake | park | stop | delete | unit_exited
+    future: asyncio.Future
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+class DeploymentActor:
+    def __init__(self, controller: "Controller", revision: Revision) -> None:
+        self.controller = controller
+        self.revision = revision
+        self.state = STOPPED
+        self.reason: str | None = None
+        self.journal: list[str] = []
+        self.in_flight = 0
+        self.waiting = 0
+        self.last_used = 0.0
+        self.failures = 0
+        self.failed_at = 0.0
+        self.wakes = 0
+        self.parks = 0
+        # What the running launch is.
+        self.launch_id: str | None = None
+        self.port: int | None = None
+        self.key: str | None = None
+        self.model_path: str | None = None
+        self.model_commit: str | None = revision.model_commit
+        self.parked_in_place = False
+        self.capabilities: frozenset[str] = frozenset()
+        self.served_model: str | None = None
+        self._commands: asyncio.Queue[_Command] = asyncio.Queue()
+        self._wake_future: asyncio.Future | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._unit_exited = asyncio.Event()
+        self._watch_task: asyncio.Task | None = None
+        self._expect_exit = False
+        self._task = asyncio.create_task(self._run(), name=f"deployment:{self.name}")
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.revision.deployment
+
+    @property
+    def spec(self) -> DeploymentSpec:
+        return self.revision.spec
+
+    @property
+    def unit(self) -> str:
+        return unit_name(self.name)
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0 or self.waiting > 0
+
+    def upstream(self) -> Upstream:
+        return Upstream(deployment=self.name, base_url=f"http://127.0.0.1:{self.port}", api_key=self.key,
+                        engine=self.controller.engine_kind(self.spec), capabilities=self.capabilities,
+                        served_model=self.served_model)
+
+    # -- admission (called from request handlers; never changes state) ------------------------
+
+    async def admit(self) -> None:
+        if self.state == READY and self._commands.empty():
+            self._enter()
+            return
+        if self.state == FAILED and time.monotonic() - self.failed_at < self._backoff():
+            raise Unavailable(f"deployment {self.name!r} failed: {self.reason}; it is retried after "
+                              f"{self._backoff():.0f}s", code="deployment_failed",
+                              retry_after=self._backoff() - (time.monotonic() - self.failed_at))
+        if self.waiting >= self.spec.queue:
+            raise QueueFull(f"deployment {self.name!r} has {self.waiting} requests waiting, its limit",
+                            retry_after=self._retry_after())
+        if self.controller.total_waiting() >= self.controller.config.queue_total:
+            raise QueueFull(f"{self.controller.total_waiting()} requests are waiting across all deployments, "
+                            "the limit", retry_after=self._retry_after())
+        self.waiting += 1
+        self._idle.clear()
+        try:
+            deadline = time.monotonic() + self.spec.timeouts.wake
+            while self.state != READY or not self._commands.empty():
+                future = self._request_wake()
+                remaining = deadline - time.monotonic()
+                try:
+                    await asyncio.wait_for(asyncio.shield(future), timeout=max(remaining, 0.001))
+                except asyncio.TimeoutError:
+                    raise Unavailable(f"deployment {self.name!r} did not become ready within "
+                                      f"{self.spec.timeouts.wake:.0f}s", code="wake_timeout",
+                                      retry_after=5) from None
+                except CapyError as exc:
+                    raise Unavailable(f"deployment {self.name!r} could not be woken: {exc.message}",
+                                      code="wake_failed", detail={"cause": exc.code}) from None
+                if self.state == READY:
+                    break
+        finally:
+            self.waiting -= 1
+        self._enter()
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self.last_used = time.time()
+        self._idle.clear()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self.last_used = time.time()
+        if not self.busy:
+            self._idle.set()
+
+    def _retry_after(self) -> float:
+        return 1.0 if self.state == READY else 5.0
+
+    def _backoff(self) -> float:
+        return min(RESTART_BACKOFF_S * 2 ** max(self.failures - 1, 0), RESTART_BACKOFF_MAX_S)
+
+    def _request_wake(self) -> asyncio.Future:
+        if self._wake_future is None or self._wake_future.done():
+            self._wake_future = self.submit("wake")
+        return self._wake_future
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def submit(self, op: str, **args: Any) -> asyncio.Future:
+        future = asyncio.get_running_loop().create_future()
+        # A caller that stops waiting must not leave "exception never retrieved" noise behind.
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._commands.put_nowait(_Command(op, future, args))
+        return future
+
+    async def _run(self) -> None:
+        while True:
+            cmd = await self._commands.get()
+            if cmd.future.cancelled():
+                continue
+            try:
+                result = await getattr(self, f"_do_{cmd.op}")(**cmd.args)
+            except asyncio.CancelledError:
+                if not cmd.future.done():
+                    cmd.future.cancel()
+                raise
+            except CapyError as exc:
+                if not cmd.future.done():
+                    cmd.future.set_exception(exc)
+            except Exception as exc:  # a bug must not kill the actor; the caller sees it
+                log.exception("deployment %s: %s failed", self.name, cmd.op)
+                if not cmd.future.done():
+                    cmd.future.set_exception(CapyError(f"{cmd.op} failed: {exc!r}", code="internal_error"))
+            else:
+                if not cmd.future.done():
+                    cmd.future.set_result(result)
+            if cmd.op == "delete" and cmd.future.done() and not cmd.future.exception():
+                return
+
+    def _set(self, state: str, reason: str | None = None, *, persist: bool = True) -> None:
+        if state != self.state:
+            log.info("deployment %s: %s -> %s%s", self.name, self.state, state, f" ({reason})" if reason else "")
+        self.state = state
+        self.reason = reason
+        if persist:
+            self.controller.store.put_runtime(
+                self.name, state, reason=reason, launch_id=self.launch_id, port=self.port,
+                model_path=self.model_path)
+        self.controller.on_state_change(self)
+
+    # -- wake ---------------------------------------------------------------------------------
+
+    async def _do_wake(self, progress: Progress = _no_progress) -> str:
+        if self.state == READY:
+            return self.state
+        if self.state == FAILED and time.monotonic() - self.failed_at < self._backoff():
+            raise Unavailable(f"failed: {self.reason}", code="deployment_failed")
+        started = time.monotonic()
+        try:
+            await self.controller.make_room(self, progress)
+            if self.state == PARKED and self.parked_in_place and await self._unit_active():
+                self._set(WAKING)
+                progress("waking the engine in place")
+                adapter = self.controller.adapter(self.spec)
+                await asyncio.wait_for(
+                    adapter.wake(self.controller.http, self.upstream().base_url, self.key, self.spec.park_level),
+                    timeout=self.spec.timeouts.wake)
+                self.parked_in_place = False
+            else:
+                self._set(STARTING if self.state in (STOPPED, FAILED) else WAKING)
+                await self._launch(progress)
+            await self._wait_healthy(progress, self.spec.timeouts.start)
+        except asyncio.TimeoutError:
+            await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
+            raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
+        except CapyError as exc:
+            if self.state not in (FAILED,):
+                await self._fail(exc.code, exc.message)
+            raise
+        self.failures = 0
+        self.wakes += 1
+        self._set(READY)
+        progress(f"ready in {time.monotonic() - started:.1f}s")
+        return self.state
+
+    async def _unit_active(self) -> bool:
+        state = await self.controller.systemd.unit_state(self.unit)
+        return state is not None and state.active_state == "active"
+
+    async def _launch(self, progress: Progress) -> None:
+        from ..engines import LaunchContext  # the controller is the one place engines are used
+        from ..systemd import TransientUnit
+
+        ctl = self.controller
+        engine = ctl.engine_for(self.spec)
+        adapter = ctl.adapter(self.spec)
+        progress(f"resolving model {self._model_label()}")
+        resolved = await ctl.resolve_model(self.spec, engine, progress)
+        self.model_path = resolved.path
+        if resolved.revision and resolved.revision != self.model_commit:
+            self.model_commit = resolved.revision
+        self.port = ctl.lease_port(self.name)
+        self.key = secrets.token_urlsafe(32)
+        self.launch_id = secrets.token_hex(8)
+        ctx = LaunchContext(deployment=self.spec, engine=engine, model_path=resolved.path, port=self.port,
+                            gpu_indices=[], cpu_threads=ctl.cpu_threads(self.spec))
+        plan = adapter.build_launch(ctx)
+        self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=resolved.path)
+        self.served_model = plan.served_model
+        env_file = ctl.write_secret_env(self.name, plan.secret_file_environment(self.key))
+        environment = {**plan.environment, **self.spec.env,
+                       "CAPYCTL_DEPLOYMENT": self.name, "CAPYCTL_REVISION": str(self.revision.revision),
+                       "CAPYCTL_LAUNCH": self.launch_id, "CAPYCTL_PORT": str(self.port)}
+        unit = TransientUnit(
+            name=self.unit,
+            description=f"CapyCTL deployment {self.name} (rev {self.revision.revision}, {engine.type})",
+            argv=plan.argv, environment=environment, environment_file=str(env_file),
+            working_directory=str(ctl.paths.state_dir),
+            memory_max=self.spec.resources.ram, memory_high=None,
+            cpu_quota=self.spec.resources.cpus, tasks_max=self.spec.resources.tasks_max, devices=[],
+            markers={"deployment": self.name, "revision": str(self.revision.revision), "launch": self.launch_id,
+                     "port": str(self.port)})
+        self._set(self.state)  # persist launch id and port before the unit exists: adoption needs them
+        progress(f"starting unit {self.unit}")
+        self._unit_exited.clear()
+        self._expect_exit = False
+        await ctl.systemd.start_transient(unit)
+        self._start_watch()
+
+    def _model_label(self) -> str:
+        m = self.spec.model
+        return getattr(m, "hf", None) or getattr(m, "path", "")
+
+    async def _wait_healthy(self, progress: Progress, timeout: float) -> None:
+        adapter = self.controller.adapter(self.spec)
+        base = self.upstream().base_url
+        began = time.monotonic()
+        last_note = began
+        delay = 0.05
+        while True:
+            if self._unit_exited.is_set():
+                raise CapyError(f"the engine exited before it was healthy: {self.reason or 'see journal'}",
+                                code=self.reason_code or "engine_exited")
+            if await adapter.health(self.controller.http, base, self.key):
+                return
+            now = time.monotonic()
+            if now - began > timeout:
+                raise asyncio.TimeoutError
+            if now - last_note >= 5:
+                progress(f"waiting for the engine's health check ({now - began:.0f}s)")
+                last_note = now
+            # The exit watcher wakes this loop at once; otherwise back off gently.
+            try:
+                await asyncio.wait_for(self._unit_exited.wait(), timeout=delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = min(delay * 1.5, 0.5)
+
+    reason_code: str | None = None
+
+    async def _fail(self, code: str, message: str) -> None:
+        self.failures += 1
+        self.failed_at = time.monotonic()
+        self.reason_code = code
+        try:
+            self.journal = await self.controller.journal(self.unit, 20)
+        except Exception:
+            self.journal = []
+        # A unit that failed to become healthy is stopped so it holds no memory.
+        if not self._unit_exited.is_set():
+            self._expect_exit = True
+            try:
+                await self.controller.systemd.stop_unit(self.unit, self.spec.timeouts.stop)
+            except CapyError:
+                pass
+        self.parked_in_place = False
+        self._set(FAILED, f"{code}: {message}")
+        if self._wake_future is not None and not self._wake_future.done():
+            self._wake_future.set_exception(Unavailable(message, code=code))
+
+    # -- watching the unit ----------------------------------------------------------------------
+
+    def _start_watch(self) -> None:
+        if self._watch_task is None or self._watch_task.done():
+            self._watch_task = asyncio.create_task(self._watch(), name=f"watch:{self.name}")
+
+    async def _watch(self) -> None:
+        systemd = self.controller.systemd
+        try:
+            async for st in systemd.watch(self.unit):
+                if st.active_state in ("failed", "inactive"):
+                    self._unit_exited.set()
+                    if not self._expect_exit:
+                        reason = systemd.failure_reason(st)
+                        self.submit("unit_exited", code=reason, state=st)
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("deployment %s: watching %s failed", self.name, self.unit)
+
+    async def _do_unit_exited(self, code: str, state: Any) -> None:
+        if self.state in (STOPPED, PARKED, STOPPING) and not self.parked_in_place:
+            return
+        detail = {"out_of_memory": "the engine ran out of memory (MemoryMax)",
+                  }.get(code, f"the engine's unit ended ({getattr(state, 'result', code)})")
+        await self._fail(code, detail)
+
+    # -- park and stop ----------------------------------------------------------------------------
+
+    async def _drain(self, timeout: float, *, evicting: bool) -> None:
+        if evicting and self.busy:
+            raise Busy(f"deployment {self.name!r} has requests in flight or waiting", code="deployment_busy")
+        try:
+            await asyncio.wait_for(self._wait_in_flight_zero(), timeout=timeout)
+        except asyncio.TimeoutError:
+            raise Busy(f"deployment {self.name!r} still had {self.in_flight} request(s) in flight after "
+                       f"{timeout:.0f}s", code="drain_timeout") from None
+
+    async def _wait_in_flight_zero(self) -> None:
+        # Requests that wait for a wake do not hold the engine; only those in flight do.
+        while self.in_flight > 0:
+            await asyncio.sleep(0.05)
+
+    async def _do_park(self, evicting: bool = False, reason: str | None = None) -> str:
+        if self.spec.park == "never" and evicting:
+            raise Busy(f"deployment {self.name!r} has park: never", code="park_never")
+        if self.state not in (READY, STARTING, WAKING):
+            return self.state
+        adapter = self.controller.adapter(self.spec)
+        in_place = adapter.park_method(self.spec) == "in_place" and self.spec.park == "auto"
+        self._set(PARKING, reason)
+        try:
+            await self._drain(self.spec.timeouts.park, evicting=evicting)
+        except Busy:
+            self._set(READY)
+            raise
+        if in_place:
+            try:
+                await asyncio.wait_for(
+                    adapter.park(self.controller.http, self.upstream().base_url, self.key, self.spec.park_level),
+                    timeout=self.spec.timeouts.park)
+                self.parked_in_place = True
+            except (CapyError, asyncio.TimeoutError) as exc:
+                log.warning("deployment %s: in-place park failed (%s); stopping the unit", self.name, exc)
+                in_place = False
+        if not in_place:
+            await self._stop_unit()
+            self.parked_in_place = False
+        self.parks += 1
+        self._set(PARKED, reason)
+        return self.state
+
+    async def _stop_unit(self) -> None:
+        self._expect_exit = True
+        await self.controller.systemd.stop_unit(self.unit, self.spec.timeouts.stop)
+        self._unit_exited.set()
+        self.controller.release_port(self.name)
+
+    async def _do_stop(self) -> str:
+        if self.state in (STOPPED,):
+            return self.state
+        if self.state in (READY, STARTING, WAKING, PARKED, FAILED):
+            self._set(STOPPING)
+            try:
+                await self._drain(self.spec.timeouts.park, evicting=False)
+            except Busy:
+                pass  # an explicit stop goes ahead after the grace time
+            await self._stop_unit()
+        self.parked_in_place = False
+        self.failures = 0
+        self._set(STOPPED)
+        return self.state
+
+    async def _do_delete(self) -> str:
+        await self._do_stop()
+        if self._watch_task:
+            self._watch_task.cancel()
+        self.controller.remove_secret_env(self.name)
+        return "deleted"
+
+    async def _do_adopt(self, unit_state: Any, runtime: Any) -> str:
+        """Take over a unit a previous daemon started: no restart of a healthy engine."""
+        self.launch_id = runtime.launch_id
+        self.port = runtime.port
+        self.model_path = runtime.model_path
+        self.key = self.controller.read_secret_key(self.name)
+        self.controller.claim_port(self.name, self.port)
+        engine = self.controller.engine_for(self.spec)
+        adapter = self.controller.adapter(self.spec)
+        self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=self.model_path)
+        self._unit_exited.clear()
+        self._expect_exit = False
+        self._start_watch()
+        if runtime.state == PARKED:
+            self.parked_in_place = True
+            self._set(PARKED, "adopted")
+            return self.state
+        try:
+            await self._wait_healthy(_no_progress, self.spec.timeouts.start)
+        except (asyncio.TimeoutError, CapyError) as exc:
+            await self._fail("adopt_failed", f"adopted unit is not healthy: {exc}")
+            return self.state
+        self._set(READY)
+        return self.state
+
+    # -- reporting --------------------------------------------------------------------------------
+
+    def describe(self) -> dict:
+        spec = self.spec
+        return {
+            "name": self.name, "state": self.state, "reason": self.reason, "revision": self.revision.revision,
+            "engine": spec.engine, "unit": self.unit, "model": self._model_label(),
+            "model_commit": self.model_commit, "port": self.port if self.state in RUNNING_STATES else None,
+            "hosts": spec.hosts or ["local"], "in_flight": self.in_flight, "waiting": self.waiting,
+            "last_used": self.last_used or None, "parked_in_place": self.parked_in_place,
+            "wakes": self.wakes, "parks": self.parks, "aliases": spec.aliases,
+            "journal": self.journal if self.state == FAILED else [],
+        }
+
+    async def close(self) -> None:
+        for task in (self._task, self._watch_task):
+            if task and not task.done():
+                task.cancel()
+        for task in (self._task, self._watch_task):
+            if task:
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass

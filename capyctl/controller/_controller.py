@@ -1,0 +1,329 @@
+"""The controller: owns every deployment's actor, implements the proxy's Router, reconciles
+with systemd after a restart, makes room for a wake, and parks idle deployments."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import aiohttp
+
+from ..config import DaemonConfig, deployment_from_unit, unit_name
+from ..errors import CapyError, Conflict, NotFound, Unavailable
+from ..proxy.router import ModelEntry, Upstream
+from ..spec import DeploymentSpec, EngineSpec
+from ..store import Revision, Store
+from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, STOPPED, Busy, DeploymentActor, Progress,
+                     _no_progress)
+from ._memory import MemoryPlanner
+
+log = logging.getLogger("capyctl.controller")
+
+IDLE_CHECK_INTERVAL_S = 1.0
+
+
+class Controller:
+    def __init__(self, config: DaemonConfig, store: Store, systemd: Any) -> None:
+        self.config = config
+        self.paths = config.paths
+        self.store = store
+        self.systemd = systemd
+        self.actors: dict[str, DeploymentActor] = {}
+        self.http: aiohttp.ClientSession | None = None
+        self.memory = MemoryPlanner(config)
+        self._placement_lock = asyncio.Lock()
+        self._ports: dict[str, int] = {}
+        self._idle_task: asyncio.Task | None = None
+        self._listeners: list[Callable[[DeploymentActor], None]] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load deployments from the store and adopt the units a previous daemon left running."""
+        self.paths.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.paths.secrets_dir, 0o700)
+        # No pool limit: 200 concurrent streams must not queue inside the client.
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                          timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+        for dep in self.store.list_deployments():
+            revision = self.store.current_revision(dep.name)
+            if revision is not None:
+                self.actors[dep.name] = DeploymentActor(self, revision)
+        await self.reconcile()
+        self._idle_task = asyncio.create_task(self._park_idle_loop(), name="idle-parker")
+
+    async def reconcile(self) -> None:
+        units = {u.name: u for u in await self.systemd.list_units("capyctl-*.service")}
+        adopting = []
+        for name, actor in self.actors.items():
+            unit = units.pop(actor.unit, None)
+            runtime = self.store.get_runtime(name)
+            if unit is not None and unit.active_state in ("active", "activating", "reloading") and runtime \
+                    and runtime.launch_id and unit.markers.get("launch") == runtime.launch_id:
+                adopting.append(actor.submit("adopt", unit_state=unit, runtime=runtime))
+            else:
+                if unit is not None and unit.active_state == "failed":
+                    actor.state = FAILED
+                    actor.reason = "the engine's unit failed while CapyCTL was not running"
+                    actor.failed_at = time.monotonic() - 3600  # no backoff: the next request retries
+                elif runtime and runtime.state == PARKED:
+                    actor.state = PARKED
+                if unit is not None and unit.active_state != "failed":
+                    # A unit of ours that does not match the recorded launch: stop it rather than
+                    # serve an unknown revision with a key we do not have.
+                    log.warning("stopping %s: it does not match the recorded launch", unit.name)
+                    await self.systemd.stop_unit(unit.name, actor.spec.timeouts.stop)
+        for unit in units.values():
+            if deployment_from_unit(unit.name) and unit.active_state in ("active", "activating"):
+                log.warning("stopping %s: no deployment of that name is recorded", unit.name)
+                await self.systemd.stop_unit(unit.name, 30)
+        if adopting:
+            await asyncio.gather(*adopting, return_exceptions=True)
+
+    async def close(self, *, stop_units: bool = False) -> None:
+        """Stop the daemon's own tasks. Engine units keep serving unless ``stop_units``."""
+        if self._idle_task:
+            self._idle_task.cancel()
+        if stop_units:
+            await asyncio.gather(*(a.submit("stop") for a in self.actors.values()), return_exceptions=True)
+        await asyncio.gather(*(a.close() for a in self.actors.values()), return_exceptions=True)
+        if self.http:
+            await self.http.close()
+
+    # -- engines, models, ports, secrets ------------------------------------------------------------
+
+    def engine_for(self, spec: DeploymentSpec) -> EngineSpec:
+        registered = self.store.get_engine(spec.engine)
+        if registered is not None:
+            return registered
+        if spec.engine == "llama.cpp":
+            # An unregistered llama.cpp deployment uses llama-server from PATH.
+            path = shutil.which("llama-server")
+            if path:
+                return EngineSpec(kind="engine", name="llama.cpp", type="llama.cpp", path=path)
+        raise CapyError(f"no engine named {spec.engine!r} is registered"
+                        + (" and no llama-server is on PATH" if spec.engine == "llama.cpp" else "")
+                        + "; register one with 'capyctl engine add PATH'", code="engine_not_found", status=400)
+
+    def engine_kind(self, spec: DeploymentSpec) -> str:
+        registered = self.store.get_engine(spec.engine)
+        return registered.type if registered else spec.engine
+
+    def adapter(self, spec: DeploymentSpec):
+        from ..engines import adapter_for
+        return adapter_for(self.engine_kind(spec))
+
+    async def resolve_model(self, spec: DeploymentSpec, engine: EngineSpec, progress: Progress):
+        from ..sources import resolve_model
+
+        def report(what: str, done: int, total: int | None) -> None:
+            if total:
+                progress(f"{what}: {done / 2**20:.0f} / {total / 2**20:.0f} MiB")
+            else:
+                progress(what)
+        return await resolve_model(spec.model, engine_kind=engine.type, models_dir=self.paths.models_dir,
+                                   progress=report)
+
+    def cpu_threads(self, spec: DeploymentSpec) -> int | None:
+        if spec.resources.cpus:
+            return max(1, int(spec.resources.cpus))
+        return os.cpu_count()
+
+    def lease_port(self, name: str) -> int:
+        if name in self._ports:
+            return self._ports[name]
+        used = set(self._ports.values())
+        for _ in range(100):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in used:
+                self._ports[name] = port
+                return port
+        raise CapyError("no free loopback port for the engine", code="no_port")
+
+    def claim_port(self, name: str, port: int | None) -> None:
+        if port:
+            self._ports[name] = port
+
+    def release_port(self, name: str) -> None:
+        self._ports.pop(name, None)
+
+    def _secret_path(self, name: str) -> Path:
+        return self.paths.secrets_dir / f"{name}.env"
+
+    def write_secret_env(self, name: str, env: dict[str, str]) -> Path:
+        path = self._secret_path(name)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            for key, value in env.items():
+                f.write(f"{key}={value}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    def read_secret_key(self, name: str) -> str | None:
+        try:
+            for line in self._secret_path(name).read_text().splitlines():
+                key, _, value = line.partition("=")
+                if key == "CAPYCTL_ENGINE_KEY":
+                    return value
+        except FileNotFoundError:
+            return None
+        return None
+
+    def remove_secret_env(self, name: str) -> None:
+        self._secret_path(name).unlink(missing_ok=True)
+
+    async def journal(self, unit: str, lines: int) -> list[str]:
+        from ..systemd import journal_tail
+        return await journal_tail(unit, lines)
+
+    # -- making room --------------------------------------------------------------------------------
+
+    async def make_room(self, actor: DeploymentActor, progress: Progress) -> None:
+        """Park or stop idle deployments until ``actor`` fits; busy ones are never touched."""
+        async with self._placement_lock:
+            for attempt in range(5):
+                victims = self.memory.plan(actor, list(self.actors.values()), time.time())
+                if not victims:
+                    self.memory.charge(actor)
+                    return
+                try:
+                    for victim, action in victims:
+                        progress(f"making room: {action} {victim.name}")
+                        await asyncio.wait_for(
+                            victim.submit("park" if action == "park" else "stop", **(
+                                {"evicting": True, "reason": f"made room for {actor.name}"}
+                                if action == "park" else {})),
+                            timeout=victim.spec.timeouts.park + victim.spec.timeouts.stop + 5)
+                except Busy:
+                    continue  # a victim got a request meanwhile: plan again
+            raise Unavailable(f"could not make room for {actor.name!r}: deployments kept becoming busy",
+                              code="no_room")
+
+    def on_state_change(self, actor: DeploymentActor) -> None:
+        self.memory.observe(actor)
+        for listener in self._listeners:
+            listener(actor)
+
+    async def _park_idle_loop(self) -> None:
+        while True:
+            await asyncio.sleep(IDLE_CHECK_INTERVAL_S)
+            now = time.time()
+            for actor in list(self.actors.values()):
+                after = actor.spec.idle_park_after
+                if after is None or actor.state != READY or actor.busy or actor.spec.park == "never":
+                    continue
+                if now - (actor.last_used or now) >= after and actor._commands.empty():
+                    actor.submit("park", evicting=True, reason=f"idle for {after:.0f}s")
+
+    # -- Router (for the proxy) ---------------------------------------------------------------------
+
+    def _lookup(self, model: str) -> DeploymentActor:
+        actor = self.actors.get(model)
+        if actor is None:
+            for candidate in self.actors.values():
+                if model in candidate.spec.aliases:
+                    return candidate
+            raise NotFound(f"the model {model!r} does not exist", code="model_not_found")
+        return actor
+
+    def models(self) -> list[ModelEntry]:
+        entries = []
+        for actor in self.actors.values():
+            for ident in [actor.name, *actor.spec.aliases]:
+                entries.append(ModelEntry(id=ident, deployment=actor.name, state=actor.state,
+                                          engine=actor.spec.engine, created=int(actor.revision.created_at)))
+        return entries
+
+    @asynccontextmanager
+    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
+        actor = self._lookup(model)
+        await actor.admit()
+        try:
+            yield actor.upstream()
+        finally:
+            actor.release()
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {a.name: {"queue_depth": a.waiting, "in_flight": a.in_flight, "wakes": a.wakes, "parks": a.parks,
+                         "ready": 1.0 if a.state == READY else 0.0} for a in self.actors.values()}
+
+    def total_waiting(self) -> int:
+        return sum(a.waiting for a in self.actors.values())
+
+    # -- management operations ----------------------------------------------------------------------
+
+    def get(self, name: str) -> DeploymentActor:
+        actor = self.actors.get(name)
+        if actor is None:
+            raise NotFound(f"no deployment named {name!r}", code="deployment_not_found")
+        return actor
+
+    async def deploy(self, spec: DeploymentSpec, *, activate: bool = False,
+                     progress: Progress = _no_progress) -> DeploymentActor:
+        self.engine_for(spec)  # refuse an unknown engine before anything is recorded
+        revision, new = self.store.put_deployment(spec)
+        actor = self.actors.get(spec.name)
+        if actor is None:
+            actor = self.actors[spec.name] = DeploymentActor(self, revision)
+            progress(f"recorded revision {revision.revision}")
+        elif new:
+            progress(f"revision {revision.revision} replaces {actor.revision.revision}")
+            was_running = actor.state in RUNNING_STATES or (actor.state == PARKED and actor.parked_in_place)
+            if was_running:
+                await actor.submit("stop")
+            actor.revision = revision
+            if was_running:
+                activate = True
+        else:
+            progress(f"revision {revision.revision} is unchanged")
+        if activate:
+            await actor.submit("wake", progress=progress)
+        return actor
+
+    async def park(self, name: str) -> DeploymentActor:
+        actor = self.get(name)
+        await actor.submit("park", reason="parked by request")
+        return actor
+
+    async def wake(self, name: str) -> DeploymentActor:
+        actor = self.get(name)
+        await actor.submit("wake")
+        return actor
+
+    async def stop(self, name: str) -> DeploymentActor:
+        actor = self.get(name)
+        await actor.submit("stop")
+        self.store.set_desired(name, "stopped")
+        return actor
+
+    async def delete(self, name: str) -> None:
+        actor = self.get(name)
+        if actor.busy:
+            raise Conflict(f"deployment {name!r} has requests in flight; stop it first", code="deployment_busy")
+        await actor.submit("delete")
+        self.actors.pop(name, None)
+        self.store.delete_deployment(name)
+        self.memory.forget(name)
+
+    async def describe(self, name: str) -> dict:
+        actor = self.get(name)
+        info = actor.describe()
+        info["memory_current"] = None
+        if actor.state in RUNNING_STATES or actor.parked_in_place:
+            try:
+                info["memory_current"] = await self.systemd.memory_current(actor.unit)
+            except Exception:
+                pass
+        return info

@@ -1,0 +1,164 @@
+"""Wires the parts together: store, systemd client, controller, proxy, management API.
+
+Lifecycle in the manner of uvicorn: configuration (capyctl.config), the server (this
+module's ``Daemon``), and the process glue (``run_standalone`` / ``run_service``) that
+handles signals and sd_notify.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from .api import build_api
+from .config import DaemonConfig
+from .controller import Controller
+from .errors import CapyError
+from .proxy import KeyGrant, build_app, listen_sockets_from_systemd, serve
+from .store import Store
+
+log = logging.getLogger("capyctl")
+
+
+class StoreKeys:
+    """The proxy's KeyVerifier backed by the state store (hashed keys, constant-time compare)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def verify(self, token: str) -> KeyGrant | None:
+        record = self.store.verify_key(token)
+        return KeyGrant(record.name, record.models) if record else None
+
+
+def sd_notify(message: str) -> bool:
+    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return False
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+        sock.connect(path)
+        sock.sendall(message.encode())
+    return True
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig, *, no_auth: bool = False) -> None:
+        self.config = config
+        self.no_auth = no_auth
+        self.store: Store | None = None
+        self.systemd = None
+        self.controller: Controller | None = None
+        self._runners: list[web.AppRunner] = []
+
+    async def start(self, sockets: dict[str, socket.socket] | None = None) -> None:
+        from .systemd import SystemdClient
+        paths = self.config.paths
+        paths.state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        self.store = Store(paths.database)
+        self.systemd = await SystemdClient.connect(self.config.bus_address)
+        self.controller = Controller(self.config, self.store, self.systemd)
+        await self.controller.start()
+        sockets = sockets or {}
+        keys = None if self.no_auth else StoreKeys(self.store)
+        proxy = build_app(self.controller, keys)
+        if "openai" in sockets:
+            self._runners.append(await serve(proxy, sock=sockets["openai"]))
+        else:
+            self._runners.append(await serve(proxy, host_port=self.config.listen))
+        api = build_api(self.controller, self.store)
+        api_sock = sockets.get("api") or self._bind_api_socket(paths.api_socket)
+        self._runners.append(await serve(api, sock=api_sock))
+        log.info("serving OpenAI endpoint on %s and management API on %s",
+                 "systemd socket" if "openai" in sockets else self.config.listen, paths.api_socket)
+
+    @staticmethod
+    def _bind_api_socket(path: Path) -> socket.socket:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        try:
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()  # a stale socket from a daemon that died
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o117)  # 0660: root and the capyctl group
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        sock.listen(64)
+        sock.setblocking(False)
+        return sock
+
+    async def stop(self) -> None:
+        for runner in reversed(self._runners):
+            await runner.cleanup()
+        if self.controller:
+            await self.controller.close()
+        if self.systemd:
+            await self.systemd.close()
+        if self.store:
+            self.store.close()
+
+
+async def _main(config: DaemonConfig, *, no_auth: bool, sockets: dict | None) -> None:
+    daemon = Daemon(config, no_auth=no_auth)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await daemon.start(sockets)
+    sd_notify("READY=1\nSTATUS=serving")
+    try:
+        await stop.wait()
+    finally:
+        sd_notify("STOPPING=1")
+        # Engine units keep serving: they live in capyctl.slice, and the next daemon adopts them.
+        await daemon.stop()
+
+
+def _logging() -> None:
+    level = os.environ.get("CAPYCTL_LOG_LEVEL", "INFO").upper()
+    # Under systemd, journald adds the time; in a terminal, show it.
+    fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("INVOCATION_ID") else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
+
+
+def run_standalone(*, listen: str | None = None, no_auth: bool = False, bus_address: str | None = None) -> int:
+    _logging()
+    config = DaemonConfig(bus_address=bus_address)
+    if listen:
+        config.listen = listen
+    elif os.environ.get("CAPYCTL_LISTEN"):
+        config.listen = os.environ["CAPYCTL_LISTEN"]
+    sockets = listen_sockets_from_systemd()
+    try:
+        asyncio.run(_main(config, no_auth=no_auth, sockets=sockets))
+    except CapyError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+def run_service(*, bus_address: str | None = None) -> int:
+    """The system service: sockets come from capyctl.socket and capyctl-api.socket."""
+    _logging()
+    sockets = listen_sockets_from_systemd()
+    config = DaemonConfig(bus_address=bus_address)
+    try:
+        asyncio.run(_main(config, no_auth=False, sockets=sockets))
+    except CapyError as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
