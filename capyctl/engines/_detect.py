@@ -11,7 +11,10 @@ from pathlib import Path
 from ..errors import CapyError
 from ..spec import EngineSpec
 
-_LLAMA_VERSION = re.compile(r"version:\s*(\d+)\s*\(([0-9a-f]+)\)")
+# llama.cpp's `--version` prints "version: N (hash)" then "built with <compiler> for <target>";
+# a build from a source tarball without git prints "version: 0.6.0-dev (build 0, commit unknown)".
+_LLAMA_VERSION = re.compile(r"^version:\s*(\S+)\s*\(([^)]*)\)\s*$", re.MULTILINE)
+_LLAMA_BUILT_WITH = re.compile(r"^built with .+ for .+$", re.MULTILINE)
 VERSION_TIMEOUT_S = 15.0
 # Package name on PyPI -> engine kind and the launcher build_launch runs from the venv.
 VENV_ENGINES = {"tensorfold": "bin/tensorfold", "sglang": "bin/python", "vllm": "bin/vllm"}
@@ -29,7 +32,7 @@ _METADATA_PROBE = (
 def _unrecognized(path: str, why: str) -> CapyError:
     return CapyError(
         f"{path} is not an engine CapyCTL knows: looked for a llama-server binary (answering "
-        f"`--version` with 'version: N (hash)') or a virtual environment with vllm, sglang or "
+        f"`--version` with 'version: N (hash)' and 'built with ...') or a virtual environment with vllm, sglang or "
         f"tensorfold installed; {why}", code="engine_unrecognized", status=400, detail={"path": path})
 
 
@@ -52,7 +55,9 @@ async def _run(argv: list[str]) -> tuple[int, str]:
 async def _llama_server_version(binary: str) -> str | None:
     _, out = await _run([binary, "--version"])
     m = _LLAMA_VERSION.search(out)
-    return f"{m.group(1)} ({m.group(2)})" if m else None
+    if m is None or _LLAMA_BUILT_WITH.search(out) is None:
+        return None
+    return f"{m.group(1)} ({m.group(2)})"
 
 
 def _dist_info_versions(venv: Path) -> dict[str, str]:

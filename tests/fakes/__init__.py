@@ -129,3 +129,11 @@ def expand_key_reference(argv: list[str], environment: dict[str, str]) -> list[s
             arg = arg.replace("${" + name + "}", value)
         out.append(arg)
     return out
+
+
+def start_plan(plan, key: str, port: int, log_path: Path | None = None) -> ServerProcess:
+    """Run a LaunchPlan as the controller's unit would: the 0600 environment file's variables and
+    the non-secret environment set, ``${KEY_ENV}`` in argv expanded by "systemd" (here)."""
+    secret = plan.secret_file_environment(key)
+    env = {**plan.environment, **secret}
+    return start_server(expand_key_reference(plan.argv, secret), port, env=env, log_path=log_path)

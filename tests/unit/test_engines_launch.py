@@ -1,0 +1,154 @@
+"""build_launch of every adapter: argv, environment, where the key goes, GPUs, tensor parallel."""
+
+from __future__ import annotations
+
+import pytest
+
+from capyctl.engines import LaunchContext, adapter_for
+from capyctl.errors import CapyError
+from capyctl.spec import DeploymentSpec, EngineSpec
+
+KEY_REF = "${CAPYCTL_ENGINE_KEY}"
+
+
+def deployment(**kw) -> DeploymentSpec:
+    base = {"name": "chat-small", "engine": "vllm", "model": {"path": "/models/m"}}
+    base.update(kw)
+    return DeploymentSpec.model_validate(base)
+
+
+def engine(kind: str, path: str | None = "/opt/engine", **kw) -> EngineSpec:
+    return EngineSpec.model_validate({"kind": "engine", "name": "e1", "type": kind, "path": path, **kw})
+
+
+def ctx(kind: str, *, dep: DeploymentSpec | None = None, gpus: list[int] | None = None, threads: int | None = None,
+        dev: bool = True, eng: EngineSpec | None = None) -> LaunchContext:
+    return LaunchContext(deployment=dep or deployment(), engine=eng or engine(kind), model_path="/models/m",
+                         port=41234, gpu_indices=gpus or [], cpu_threads=threads, dev_controls=dev)
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize("kind", ["llama.cpp", "vllm", "sglang", "tensorfold"])
+def test_the_key_reaches_the_engine_without_appearing_in_argv(kind):
+    plan = adapter_for(kind).build_launch(ctx(kind))
+    secret = plan.secret_file_environment("k-9f3a")
+    assert secret["CAPYCTL_ENGINE_KEY"] == "k-9f3a"
+    assert all("k-9f3a" not in a for a in plan.argv)
+    assert all("k-9f3a" not in v for v in plan.environment.values())
+    if plan.secret_environment:  # the engine reads its own variable, so argv must not mention the key
+        assert KEY_REF not in plan.argv
+        assert set(secret) == {"CAPYCTL_ENGINE_KEY", *plan.secret_environment}
+    else:  # the engine reads it from argv, expanded by systemd from the environment file
+        assert KEY_REF in plan.argv
+
+
+def test_llama_server_argv():
+    plan = adapter_for("llama-server").build_launch(ctx("llama.cpp", threads=2))
+    argv = plan.argv
+    assert argv[0] == "/opt/engine"
+    assert flag_value(argv, "-m") == "/models/m"
+    assert flag_value(argv, "--host") == "127.0.0.1" and flag_value(argv, "--port") == "41234"
+    assert flag_value(argv, "-t") == "2" and flag_value(argv, "-c") == "4096"
+    assert "--jinja" in argv and "-ngl" not in argv
+    assert plan.secret_environment == {"LLAMA_API_KEY": "CAPYCTL_ENGINE_KEY"}
+    assert plan.environment["CUDA_VISIBLE_DEVICES"] == ""  # a CPU deployment sees no GPU
+    assert plan.health_path == "/health"
+
+
+def test_llama_server_offloads_all_layers_on_gpus_and_respects_user_flags():
+    dep = deployment(engine="llama.cpp", engine_args=["-c", "8192", "--embeddings"], resources={"gpus": 1})
+    plan = adapter_for("llama.cpp").build_launch(ctx("llama.cpp", dep=dep, gpus=[3]))
+    assert flag_value(plan.argv, "-ngl") == "999"
+    assert plan.argv.count("-c") == 1 and flag_value(plan.argv, "-c") == "8192"
+    assert plan.environment["CUDA_VISIBLE_DEVICES"] == "3"
+    caps = adapter_for("llama.cpp").capabilities(engine("llama.cpp"), deployment=dep)
+    assert "embeddings" in caps and "systemone" not in caps
+
+
+def test_vllm_argv_with_sleep_mode_and_tensor_parallel():
+    dep = deployment(tensor_parallel=2, resources={"gpus": 2}, env={"HF_HOME": "/cache"})
+    plan = adapter_for("vllm").build_launch(ctx("vllm", dep=dep, gpus=[0, 1]))
+    assert plan.argv[:3] == ["/opt/engine/bin/vllm", "serve", "/models/m"]
+    assert flag_value(plan.argv, "--tensor-parallel-size") == "2"
+    assert flag_value(plan.argv, "--served-model-name") == "chat-small"
+    assert "--enable-sleep-mode" in plan.argv
+    assert plan.environment == {"HF_HOME": "/cache", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_SERVER_DEV_MODE": "1"}
+    assert plan.secret_environment == {"VLLM_API_KEY": "CAPYCTL_ENGINE_KEY"}
+    assert plan.served_model == "chat-small"
+    assert adapter_for("vllm").park_method(dep) == "in_place"
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_without_development_controls_park_is_stop(kind):
+    c = ctx(kind, dev=False)
+    adapter = adapter_for(kind)
+    plan = adapter.build_launch(c)
+    assert adapter.park_method(c) == "stop"
+    assert "--enable-sleep-mode" not in plan.argv and "--enable-memory-saver" not in plan.argv
+    assert "VLLM_SERVER_DEV_MODE" not in plan.environment
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_deployment_asking_for_stop_is_stopped(kind):
+    assert adapter_for(kind).park_method(deployment(park="stop")) == "stop"
+
+
+def test_tensor_parallel_needs_as_many_gpus():
+    dep = deployment(tensor_parallel=4)
+    with pytest.raises(CapyError) as err:
+        adapter_for("vllm").build_launch(ctx("vllm", dep=dep, gpus=[0, 1]))
+    assert err.value.code == "gpu_count_mismatch"
+
+
+def test_sglang_argv():
+    dep = deployment(engine="sglang", tensor_parallel=2, resources={"gpus": 2}, engine_args=["--mem-fraction-static", "0.8"])
+    plan = adapter_for("sglang").build_launch(ctx("sglang", dep=dep, gpus=[2, 5]))
+    assert plan.argv[:3] == ["/opt/engine/bin/python", "-m", "sglang.launch_server"]
+    assert flag_value(plan.argv, "--model-path") == "/models/m"
+    assert flag_value(plan.argv, "--api-key") == KEY_REF
+    assert flag_value(plan.argv, "--tp") == "2"
+    assert "--enable-memory-saver" in plan.argv
+    assert plan.argv[-2:] == ["--mem-fraction-static", "0.8"]
+    assert plan.environment["CUDA_VISIBLE_DEVICES"] == "2,5"
+
+
+def test_tensorfold_argv_and_capabilities():
+    adapter = adapter_for("tensorfold")
+    plan = adapter.build_launch(ctx("tensorfold", gpus=[0]))
+    assert plan.argv == ["/opt/engine/bin/tensorfold", "serve", "--model", "/models/m", "--host", "127.0.0.1",
+                         "--port", "41234"]
+    assert plan.secret_environment == {"TENSORFOLD_API_KEY": "CAPYCTL_ENGINE_KEY"}
+    assert "systemone" in adapter.capabilities(engine("tensorfold"))
+    assert adapter.park_method(deployment()) == "stop"
+
+
+def test_custom_cmd_template():
+    eng = engine("custom", path=None, cmd=["/srv/bin/server", "--listen={host}:{port}", "--model", "{model}",
+                                           "--token", "{key}", "--id", "{name}", '{"literal": 1}'],
+                 health="/ready", park={"path": "/pause"}, wake={"path": "/resume"}, env={"MODE": "x"},
+                 capabilities=["chat", "embeddings"])
+    c = ctx("custom", eng=eng)
+    adapter = adapter_for("custom", eng)
+    plan = adapter.build_launch(c)
+    assert plan.argv == ["/srv/bin/server", "--listen=127.0.0.1:41234", "--model", "/models/m", "--token", KEY_REF,
+                         "--id", "chat-small", '{"literal": 1}']
+    assert plan.health_path == "/ready" and plan.environment["MODE"] == "x"
+    assert adapter.capabilities(eng) == {"chat", "embeddings"}
+    assert adapter.park_method(c) == "in_place"
+    no_park = engine("custom", path=None, cmd=["/srv/x", "{port}"])
+    assert adapter_for("custom", no_park).park_method(ctx("custom", eng=no_park)) == "stop"
+
+
+def test_missing_engine_path_is_a_clear_error():
+    with pytest.raises(CapyError) as err:
+        adapter_for("vllm").build_launch(ctx("vllm", eng=engine("vllm", path=None)))
+    assert err.value.code == "engine_path_missing"
+
+
+def test_unknown_kind():
+    with pytest.raises(CapyError) as err:
+        adapter_for("tgi")
+    assert err.value.code == "engine_kind_unknown"
