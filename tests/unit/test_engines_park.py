@@ -1,0 +1,199 @@
+"""Park and wake through the adapters against the fake vLLM and SGLang servers, launched from
+build_launch's own argv and environment as subprocesses (stopped by their PID).
+
+These also make the drain-first rule observable: vLLM's default sleep aborts a running request,
+SGLang's release refuses while one runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from capyctl.engines import LaunchContext, adapter_for
+from capyctl.errors import EngineError
+from capyctl.spec import DeploymentSpec, EngineSpec
+from tests.fakes import FAKE_VLLM, free_port, make_fake_sglang_venv, make_fake_vllm_venv, start_plan
+
+KEY = "per-launch-key-7d1c"
+
+
+def launch(tmp_path: Path, kind: str, *, dev: bool = True, engine: EngineSpec | None = None):
+    if engine is None:
+        make = make_fake_vllm_venv if kind == "vllm" else make_fake_sglang_venv
+        venv = make(tmp_path / f"{kind}-env")
+        engine = EngineSpec(kind="engine", name=f"{kind}-fake", type=kind, path=str(venv))
+    model_dir = tmp_path / "model"
+    model_dir.mkdir(exist_ok=True)
+    dep = DeploymentSpec(name="tiny", engine=engine.name, model={"path": str(model_dir)})
+    port = free_port()
+    ctx = LaunchContext(deployment=dep, engine=engine, model_path=str(model_dir), port=port, dev_controls=dev)
+    adapter = adapter_for(kind, engine)
+    plan = adapter.build_launch(ctx)
+    server = start_plan(plan, KEY, port, log_path=tmp_path / f"{kind}.log")
+    return adapter, plan, server
+
+
+@pytest.fixture
+async def session():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def chat(session, base_url, model="tiny", key=KEY, **extra):
+    body = {"model": model, "messages": [{"role": "user", "content": "say hi"}], **extra}
+    async with session.post(base_url + "/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {key}"}) as r:
+        return r.status, await r.json()
+
+
+async def stats(session, base_url):
+    async with session.get(base_url + "/fake/stats") as r:
+        return await r.json()
+
+
+async def wait_health(adapter, session, server):
+    for _ in range(300):
+        assert server.proc.poll() is None, "the fake engine exited"
+        if await adapter.health(session, server.base_url, KEY):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the fake engine never became healthy")
+
+
+async def test_vllm_level1_park_and_wake(tmp_path, session):
+    adapter, plan, server = launch(tmp_path, "vllm")
+    try:
+        await wait_health(adapter, session, server)
+        status, body = await chat(session, server.base_url, model=plan.served_model)
+        assert status == 200 and body["choices"][0]["message"]["content"]
+        assert (await chat(session, server.base_url, key="wrong"))[0] == 401
+        assert await adapter.is_parked(session, server.base_url, KEY) is False
+
+        await adapter.park(session, server.base_url, KEY, 1)
+        assert await adapter.is_parked(session, server.base_url, KEY) is True
+        assert (await chat(session, server.base_url))[0] == 503  # asleep: no generation
+        assert await adapter.health(session, server.base_url, KEY)  # but the process is healthy
+
+        await adapter.wake(session, server.base_url, KEY, 1)
+        assert await adapter.is_parked(session, server.base_url, KEY) is False
+        assert (await chat(session, server.base_url))[0] == 200
+        s = await stats(session, server.base_url)
+        assert (s["sleep_calls"], s["wake_calls"], s["last_sleep_level"], s["aborted"]) == (1, 1, 1, 0)
+    finally:
+        server.stop()
+
+
+async def test_vllm_level2_wake_reloads_weights(tmp_path, session):
+    adapter, plan, server = launch(tmp_path, "vllm")
+    try:
+        await wait_health(adapter, session, server)
+        await adapter.park(session, server.base_url, KEY, 2)
+        await adapter.wake(session, server.base_url, KEY, 2)
+        assert (await chat(session, server.base_url))[0] == 200
+        s = await stats(session, server.base_url)
+        assert s["collective_rpc"] == ["reload_weights"] and s["reset_prefix_cache"] == 1
+
+        # A level-1 wake after a level-2 park leaves the weights missing: the level matters.
+        await adapter.park(session, server.base_url, KEY, 2)
+        await adapter.wake(session, server.base_url, KEY, 1)
+        assert (await chat(session, server.base_url))[0] == 503
+    finally:
+        server.stop()
+
+
+async def test_vllm_sleep_aborts_a_request_in_flight(tmp_path, session):
+    adapter, plan, server = launch(tmp_path, "vllm")
+    try:
+        await wait_health(adapter, session, server)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "a long answer please"}], "stream": True,
+                "max_tokens": 200, "fake_token_delay": 0.2}
+        async with session.post(server.base_url + "/v1/chat/completions", json=body,
+                                headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the first event arrived: the request is running
+            await adapter.park(session, server.base_url, KEY, 1)  # no drain: the caller's job
+            events = [line.decode().strip() async for line in resp.content if line.strip()]
+        assert "data: [DONE]" not in events
+        assert "aborted" in json.loads(events[-1][len("data: "):])["error"]["message"]
+        s = await stats(session, server.base_url)
+        assert s["aborted"] == 1 and s["in_flight"] == 0
+    finally:
+        server.stop()
+
+
+async def test_vllm_without_development_controls_cannot_park_in_place(tmp_path, session):
+    adapter, plan, server = launch(tmp_path, "vllm", dev=False)
+    try:
+        await wait_health(adapter, session, server)
+        with pytest.raises(EngineError) as err:
+            await adapter.park(session, server.base_url, KEY, 1)
+        assert err.value.code == "park_failed" and err.value.detail["status"] == 404
+    finally:
+        server.stop()
+
+
+async def test_sglang_park_and_wake(tmp_path, session):
+    adapter, plan, server = launch(tmp_path, "sglang")
+    try:
+        await wait_health(adapter, session, server)
+        assert (await chat(session, server.base_url))[0] == 200
+        await adapter.park(session, server.base_url, KEY, 1)
+        assert (await chat(session, server.base_url))[0] == 503
+        await adapter.wake(session, server.base_url, KEY, 1)
+        assert (await chat(session, server.base_url))[0] == 200
+        s = await stats(session, server.base_url)
+        assert (s["release_calls"], s["resume_calls"], s["release_refused"]) == (1, 1, 0)
+
+        with pytest.raises(EngineError) as err:  # SGLang guards its control routes with the key
+            await adapter.park(session, server.base_url, None, 1)
+        assert err.value.detail["status"] == 401
+    finally:
+        server.stop()
+
+
+async def test_sglang_release_fails_with_a_request_in_flight(tmp_path, session):
+    adapter, plan, server = launch(tmp_path, "sglang")
+    try:
+        await wait_health(adapter, session, server)
+        running = asyncio.create_task(chat(session, server.base_url, max_tokens=10, fake_token_delay=0.1))
+        for _ in range(100):
+            if (await stats(session, server.base_url))["in_flight"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(EngineError) as err:
+            await adapter.park(session, server.base_url, KEY, 1)
+        assert err.value.code == "park_failed" and "AssertionError" in err.value.message
+        status, _ = await running
+        assert status == 200  # the request itself was not harmed; the park was refused
+        assert (await stats(session, server.base_url))["release_refused"] == 1
+    finally:
+        server.stop()
+
+
+async def test_custom_engine_park_and_wake_through_its_registration(tmp_path, session):
+    engine = EngineSpec.model_validate({
+        "kind": "engine", "name": "my-server", "type": "custom",
+        "cmd": [sys.executable, str(FAKE_VLLM), "--host", "{host}", "--port", "{port}", "--model", "{name}",
+                "--api-key", "{key}", "--enable-sleep-mode"],
+        "health": "/health", "park": {"path": "/sleep?level=1"}, "wake": {"path": "/wake_up"},
+        "env": {"VLLM_SERVER_DEV_MODE": "1"}})
+    adapter, plan, server = launch(tmp_path, "custom", engine=engine)
+    try:
+        await wait_health(adapter, session, server)
+        assert (await chat(session, server.base_url))[0] == 200  # the key reached it through ${...} in argv
+        await adapter.park(session, server.base_url, KEY, 1)
+        assert (await chat(session, server.base_url))[0] == 503
+        await adapter.wake(session, server.base_url, KEY, 1)
+        assert (await chat(session, server.base_url))[0] == 200
+    finally:
+        server.stop()
+
+
+async def test_health_is_false_when_nothing_listens(session):
+    assert await adapter_for("vllm").health(session, f"http://127.0.0.1:{free_port()}", KEY) is False
