@@ -387,13 +387,18 @@ class DeploymentActor:
         while self.in_flight > 0:
             await asyncio.sleep(0.05)
 
-    async def _do_park(self, evicting: bool = False, reason: str | None = None) -> str:
+    async def _do_park(self, evicting: bool = False, reason: str | None = None, in_place_ok: bool = True) -> str:
         if self.spec.park == "never" and evicting:
             raise Busy(f"deployment {self.name!r} has park: never", code="park_never")
+        if self.state == PARKED and self.parked_in_place and not in_place_ok:
+            await self._stop_unit()  # its weights held host RAM that another deployment needs
+            self.parked_in_place = False
+            self._set(PARKED, reason)
+            return self.state
         if self.state not in (READY, STARTING, WAKING):
             return self.state
         adapter = self.controller.adapter(self.spec)
-        in_place = adapter.park_method(self.spec) == "in_place" and self.spec.park == "auto"
+        in_place = adapter.park_method(self.spec) == "in_place" and self.spec.park == "auto" and in_place_ok
         self._set(PARKING, reason)
         try:
             await self._drain(self.spec.timeouts.park, evicting=evicting)

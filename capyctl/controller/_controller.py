@@ -118,7 +118,8 @@ class Controller:
 
     def adapter(self, spec: DeploymentSpec):
         from ..engines import adapter_for
-        return adapter_for(self.engine_kind(spec))
+        registered = self.store.get_engine(spec.engine)
+        return adapter_for(registered.type if registered else spec.engine, registered)
 
     async def resolve_model(self, spec: DeploymentSpec, engine: EngineSpec, progress: Progress):
         from ..sources import resolve_model
@@ -202,9 +203,10 @@ class Controller:
                     for victim, action in victims:
                         progress(f"making room: {action} {victim.name}")
                         await asyncio.wait_for(
-                            victim.submit("park" if action == "park" else "stop", **(
-                                {"evicting": True, "reason": f"made room for {actor.name}"}
-                                if action == "park" else {})),
+                            # Parking a stop-only engine stops its unit; "stop" here only
+                            # forbids an in-place park whose weights would not fit in RAM.
+                            victim.submit("park", evicting=True, in_place_ok=action == "park",
+                                          reason=f"made room for {actor.name}"),
                             timeout=victim.spec.timeouts.park + victim.spec.timeouts.stop + 5)
                 except Busy:
                     continue  # a victim got a request meanwhile: plan again

@@ -1,4 +1,8 @@
-"""Bridge between the controller's actors and the pure scheduler (capyctl.scheduler)."""
+"""Bridge between the controller's actors and the pure scheduler (capyctl.scheduler).
+
+The ledger is kept in step with every actor's state (``observe``); ``plan`` asks the planner
+who must make room; ``charge`` records the plan once the victims are out of the way.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,14 @@ import os
 from typing import TYPE_CHECKING
 
 from ..config import DaemonConfig
+from ..scheduler import Candidate, Footprint, HostResources, Ledger, Plan, Request
+from ..scheduler import plan as plan_placement
+from ..spec import parse_size
 
 if TYPE_CHECKING:
     from ._actor import DeploymentActor
+
+LOCAL = "local"
 
 
 def _ram_total() -> int:
@@ -19,54 +28,75 @@ def _ram_total() -> int:
     return 0
 
 
-def footprint_ram(actor: "DeploymentActor") -> int:
-    """RAM a CPU deployment needs: its manifest's budget, else an estimate from the model file."""
-    if actor.spec.resources.ram:
-        return actor.spec.resources.ram
+def _model_size(actor: "DeploymentActor") -> int:
     path = actor.model_path or getattr(actor.spec.model, "path", None)
     try:
-        size = os.path.getsize(path) if path and os.path.isfile(path) else 0
+        if path and os.path.isfile(path):
+            return os.path.getsize(path)
+        if path and os.path.isdir(path):
+            return sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
     except OSError:
-        size = 0
+        pass
+    return 0
+
+
+def footprint(actor: "DeploymentActor") -> Footprint:
+    """What the deployment needs: its manifest's budgets, else an estimate from the model's size."""
+    spec = actor.spec
+    size = _model_size(actor)
     # Weights plus KV cache and runtime: measured 177 MB RSS for a 98 MB GGUF at -c 2048.
-    return int(size * 1.5) + (128 << 20)
+    ram = spec.resources.ram or int(size * 1.5) + (128 << 20)
+    in_place = spec.park == "auto" and actor.controller.adapter(spec).park_method(spec) == "in_place"
+    # vLLM sleep level 1 keeps the weights in host RAM; level 2 and SGLang's release keep nothing.
+    parked_ram = (size if spec.park_level == 1 else 0) if in_place else None
+    gpus = spec.gpus_needed
+    return Footprint(gpus=gpus, gpu_memory=spec.resources.gpu_memory if gpus else None, ram=ram,
+                     parked_ram=parked_ram)
 
 
 class MemoryPlanner:
     def __init__(self, config: DaemonConfig) -> None:
         budget = os.environ.get("CAPYCTL_RAM_BUDGET")
-        from ..spec import parse_size
-        self.ram_capacity = parse_size(budget) if budget else max(_ram_total() - config.host_ram_reserve, 0)
+        ram_total = parse_size(budget) if budget else _ram_total()
+        reserve = 0 if budget else config.host_ram_reserve
+        self.ledger = Ledger([HostResources(name=LOCAL, ram_total=ram_total, ram_reserve=reserve)])
+        self._last_plan: tuple[Plan, Request] | None = None
 
     def plan(self, actor: "DeploymentActor", actors: list["DeploymentActor"], now: float):
-        from ._actor import READY
-        held = {a.name: footprint_ram(a) for a in actors if a is not actor and self._holds(a)}
-        need = footprint_ram(actor)
-        free = self.ram_capacity - sum(held.values())
-        if need <= free:
-            return []
-        idle = sorted((a for a in actors if a is not actor and a.state == READY and not a.busy
-                       and a.spec.park != "never" and a._commands.empty()), key=lambda a: a.last_used)
-        victims = []
-        for victim in idle:
-            victims.append((victim, "stop" if not victim.parked_in_place else "park"))
-            free += held.get(victim.name, 0)
-            if need <= free:
-                return [(v, "park") for v, _ in victims]
-        from ..errors import Unavailable
-        raise Unavailable(f"{actor.name!r} needs {need >> 20} MiB of RAM; {max(free, 0) >> 20} MiB can be freed",
-                          code="no_room")
-
-    @staticmethod
-    def _holds(actor: "DeploymentActor") -> bool:
-        from ._actor import RUNNING_STATES
-        return actor.state in RUNNING_STATES or actor.state == "stopping"
+        """Victims to evict before ``actor`` can start: [(actor, "park" | "stop")]. Raises NoRoom."""
+        for other in actors:
+            self.observe(other)
+        request = Request(actor.name, footprint(actor), hosts=(LOCAL,))
+        candidates = [Candidate(a.name, a.state, a.last_used, busy=a.busy or not a._commands.empty(),
+                                never_evict=a.spec.park == "never", idle_park_after=a.spec.idle_park_after)
+                      for a in actors if a is not actor and self.ledger.get(a.name) is not None]
+        result = plan_placement(request, self.ledger, candidates, now)
+        self._last_plan = (result, request)
+        by_name = {a.name: a for a in actors}
+        return [(by_name[v.deployment], v.action) for v in result.victims]
 
     def charge(self, actor: "DeploymentActor") -> None:
-        pass
+        if self._last_plan and self._last_plan[0].deployment == actor.name:
+            plan, request = self._last_plan
+            self.ledger.apply(plan, request)
+        self._last_plan = None
 
     def observe(self, actor: "DeploymentActor") -> None:
-        pass
+        """Keep the ledger's state of ``actor`` equal to the actor's."""
+        placed = self.ledger.get(actor.name)
+        state = actor.state
+        if placed is None:
+            if state in ("stopped", "failed") or (state == "parked" and not actor.parked_in_place):
+                return
+            self.ledger.place(actor.name, footprint(actor), LOCAL, (), state,
+                              in_place=actor.parked_in_place if state == "parked" else None)
+            return
+        if placed.state != state or (state == "parked" and placed.in_place != actor.parked_in_place):
+            self.ledger.set_state(actor.name, state, in_place=actor.parked_in_place if state == "parked" else None)
+        if state in ("stopped", "failed") or (state == "parked" and not actor.parked_in_place):
+            # The unit is gone (stop_unit waits for it), so its memory is free again.
+            self.ledger.confirm_released(actor.name)
 
     def forget(self, name: str) -> None:
-        pass
+        self.ledger.forget(name)
+        self.ledger.confirm_released(name)
