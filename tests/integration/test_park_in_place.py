@@ -1,0 +1,79 @@
+"""In-place parking through the controller, against the fake vLLM and SGLang servers (vLLM and
+SGLang need a GPU) launched as real systemd units: the controller drains in-flight requests
+before it parks, and wakes the engine in place on the next request."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.fakes import make_fake_sglang_venv, make_fake_vllm_venv
+
+from .capyhost import CapyHost
+
+pytestmark = [pytest.mark.sandbox]
+
+
+@pytest.fixture
+def host():
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("needs root to boot systemd in private namespaces")
+    h = CapyHost().boot()
+    try:
+        h.start_daemon()
+        yield h
+    finally:
+        print(h.daemon_journal(150))
+        h.teardown()
+
+
+def fake_stats(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/fake/stats", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_park_drains_first_then_wakes_in_place(host, kind):
+    make = make_fake_vllm_venv if kind == "vllm" else make_fake_sglang_venv
+    venv = make(host.root / f"{kind}-venv")
+    host.cli("engine", "add", str(venv), "--name", f"fake-{kind}")
+    model_dir = host.root / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    manifest = host.write_manifest("m", f"name: fake\nengine: fake-{kind}\nmodel: {{path: {model_dir}}}\n"
+                                        "engine_args: [--token-delay, '0.15']\n")
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    port = host.cli_json("status", "deployment", "fake")["port"]
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=60)
+
+    chunks: list[str] = []
+    first_chunk = threading.Event()
+
+    def stream() -> None:
+        for chunk in client.chat.completions.create(model="fake", stream=True, max_tokens=16,
+                                                    messages=[{"role": "user", "content": "hi"}]):
+            if chunk.choices and chunk.choices[0].delta.content:
+                chunks.append(chunk.choices[0].delta.content)
+                first_chunk.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_chunk.wait(30)
+    parked = host.cli_json("park", "deployment", "fake")  # returns once parked
+    reader.join(30)
+    assert len(chunks) == 16, "the request in flight finished before the engine parked"
+    assert parked["state"] == "parked" and parked["parked_in_place"]
+    stats = fake_stats(port)
+    assert stats["aborted"] == 0 and stats.get("park_refused", 0) == 0, stats
+    assert host.unit_property("capyctl-fake.service", "ActiveState") == "active"  # parked in place
+
+    answer = client.chat.completions.create(model="fake", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content
+    status = host.cli_json("status", "deployment", "fake")
+    assert status["state"] == "ready" and status["port"] == port  # the same process, woken in place
