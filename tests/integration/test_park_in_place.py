@@ -70,7 +70,7 @@ def test_park_drains_first_then_wakes_in_place(host, kind):
     assert len(chunks) == 16, "the request in flight finished before the engine parked"
     assert parked["state"] == "parked" and parked["parked_in_place"]
     stats = fake_stats(port)
-    assert stats["aborted"] == 0 and stats.get("park_refused", 0) == 0, stats
+    assert stats["aborted"] == 0 and stats.get("release_refused", 0) == 0, stats
     assert host.unit_property("capyctl-fake.service", "ActiveState") == "active"  # parked in place
 
     answer = client.chat.completions.create(model="fake", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
