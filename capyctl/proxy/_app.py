@@ -50,8 +50,10 @@ STATE = web.AppKey("capyctl_proxy_state", ProxyState)
 SESSION = web.AppKey("capyctl_proxy_session", aiohttp.ClientSession)
 # Per request: the deployment label for metrics, and a status that overrides the response's
 # (a stream that broke after its 200 headers, a client that went away).
-_DEPLOYMENT = "capyctl_deployment"
-_OUTCOME = "capyctl_outcome"
+# web.RequestKey exists from aiohttp 3.12; plain strings work (with a warning) before it.
+_RequestKey = getattr(web, "RequestKey", None)
+_DEPLOYMENT: Any = _RequestKey("capyctl_deployment", str) if _RequestKey else "capyctl_deployment"
+_OUTCOME: Any = _RequestKey("capyctl_outcome", int) if _RequestKey else "capyctl_outcome"
 
 
 def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * MiB,

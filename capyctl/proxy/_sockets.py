@@ -71,14 +71,14 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
     if (sock is None) == (host_port is None):
         raise CapyError("Give either a socket or a HOST:PORT to serve on.", code="invalid_listen_address",
                         status=400)
-    runner = web.AppRunner(app, handler_cancellation=True)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     try:
         if sock is not None:
-            site: web.BaseSite = web.SockSite(runner, sock, shutdown_timeout=shutdown_timeout)
+            site: web.BaseSite = web.SockSite(runner, sock)
         else:
             host, port = _split_host_port(host_port or "")
-            site = web.TCPSite(runner, host, port, shutdown_timeout=shutdown_timeout)
+            site = web.TCPSite(runner, host, port)
         await site.start()
     except BaseException:
         await runner.cleanup()

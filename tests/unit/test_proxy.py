@@ -1,0 +1,584 @@
+"""The proxy against a fake Router and a small fake OpenAI server, both in this file.
+
+The fake upstream speaks the OpenAI wire format (JSON, SSE ending in [DONE]); the
+proxy runs on a real loopback socket through ``serve`` exactly as the daemon runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import socket
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from capyctl.errors import CapyError, QueueFull, Unavailable
+from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+
+UPSTREAM_KEY = "launch-key-123"
+ADMIN_KEY = "sk-admin"
+SCOPED_KEY = "sk-only-b"
+HANG_GUARD = 15.0  # seconds; only ever reached when the behaviour under test is broken
+
+
+async def eventually(predicate, what: str) -> None:
+    """Wait for a condition another task makes true; fail (never hang) if it does not come."""
+    async def poll() -> None:
+        while not predicate():
+            await asyncio.sleep(0.01)
+    try:
+        await asyncio.wait_for(poll(), HANG_GUARD)
+    except TimeoutError:
+        pytest.fail(f"never happened: {what}")
+
+
+# ---------------------------------------------------------------- fake OpenAI upstream
+
+@dataclass
+class FakeOpenAI:
+    """What the fake engine saw and how it should answer."""
+
+    requests: list[tuple[str, dict, bytes]] = field(default_factory=list)  # path, headers, body
+    release_second_chunk: asyncio.Event = field(default_factory=asyncio.Event)
+    second_chunk_sent: bool = False
+    stream_mode: str = "two_chunks"  # two_chunks | endless | die
+    stream_stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    status: int = 200
+    body: bytes = b""
+    top_logprobs: dict[str, list[dict]] = field(default_factory=dict)  # keyed by question kind
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.requests.append((request.path_qs, dict(request.headers), raw))
+        if request.path == "/v1/chat/completions":
+            payload = json.loads(raw)
+            if payload.get("stream"):
+                return await self.stream(request)
+            if payload.get("logprobs"):
+                return self.logprobs_answer(payload)
+        return web.Response(status=self.status, body=self.body, content_type="application/json")
+
+    def logprobs_answer(self, payload: dict) -> web.Response:
+        system = payload["messages"][0]["content"]
+        kind = "noul" if "yes or no" in system else "choice" if "letter" in system else "score"
+        top = self.top_logprobs[kind]
+        return web.json_response({
+            "id": "x", "object": "chat.completion", "model": payload["model"],
+            "choices": [{"index": 0, "finish_reason": "length",
+                         "message": {"role": "assistant", "content": top[0]["token"]},
+                         "logprobs": {"content": [{"token": top[0]["token"], "logprob": top[0]["logprob"],
+                                                   "top_logprobs": top}]}}],
+            "usage": {"prompt_tokens": 10, "completion_tokens": 1, "total_tokens": 11},
+        })
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            await response.write(sse_chunk("first"))
+            if self.stream_mode == "die":
+                # The engine process dies: its socket closes in the middle of the chunked body.
+                request.transport.abort()
+                return response
+            if self.stream_mode == "endless":
+                while True:
+                    await asyncio.sleep(0.02)
+                    await response.write(sse_chunk("more"))
+            await asyncio.wait_for(self.release_second_chunk.wait(), HANG_GUARD)
+            self.second_chunk_sent = True
+            await response.write(sse_chunk("last") + b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        finally:
+            self.stream_stopped.set()
+
+
+def sse_chunk(text: str) -> bytes:
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+# ---------------------------------------------------------------- fake Router
+
+class FakeRouter:
+    """Admission by the book: counts who waits, who is in flight, who left."""
+
+    def __init__(self, upstreams: dict[str, Upstream]) -> None:
+        self.upstreams = upstreams
+        self.errors: dict[str, CapyError] = {}
+        self.gate: asyncio.Event | None = None  # when set, admission waits for it (a wake)
+        self.acquire_calls = 0
+        self.waiting = 0
+        self.in_flight = 0
+        self.released = 0
+
+    def models(self) -> list[ModelEntry]:
+        return [ModelEntry(id=name, deployment=up.deployment, state="ready", engine=up.engine, created=1700000000)
+                for name, up in self.upstreams.items()]
+
+    @asynccontextmanager
+    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
+        self.acquire_calls += 1
+        if model in self.errors:
+            raise self.errors[model]
+        if model not in self.upstreams:
+            raise CapyError(f"No deployment serves {model}.", code="model_not_found", status=404)
+        if self.gate is not None:
+            self.waiting += 1
+            try:
+                await self.gate.wait()
+            finally:
+                self.waiting -= 1
+        self.in_flight += 1
+        try:
+            yield self.upstreams[model]
+        finally:
+            self.in_flight -= 1
+            self.released += 1
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {up.deployment: {"queue_depth": self.waiting, "in_flight": self.in_flight, "wakes": 2, "parks": 1}
+                for up in self.upstreams.values()}
+
+
+# ---------------------------------------------------------------- fixtures
+
+@dataclass
+class Setup:
+    url: str
+    fake: FakeOpenAI
+    router: FakeRouter
+    upstream_url: str
+
+
+async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = await serve(app, host_port="127.0.0.1:0")
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[Setup]:
+    fake = FakeOpenAI()
+    upstream_app = web.Application()
+    upstream_app.router.add_route("*", "/{tail:.*}", fake.handle)  # records anything, control routes too
+    upstream_runner, upstream_url = await _start(upstream_app)
+    router = FakeRouter({
+        "model-a": Upstream("dep-a", upstream_url, UPSTREAM_KEY, "llama.cpp", frozenset({"chat", "logprobs"}),
+                            served_model="engine-name-a"),
+        "model-b": Upstream("dep-b", upstream_url, UPSTREAM_KEY, "vllm", frozenset({"chat"})),
+        "model-native": Upstream("dep-n", upstream_url, UPSTREAM_KEY, "tensorfold", frozenset({"systemone"})),
+    })
+    keys = StaticKeys({ADMIN_KEY: KeyGrant("admin"), SCOPED_KEY: KeyGrant("scoped", frozenset({"model-b"}))})
+    proxy_runner, proxy_url = await _start(build_app(router, keys, max_body=4096))
+    try:
+        yield Setup(proxy_url, fake, router, upstream_url)
+    finally:
+        await proxy_runner.cleanup()
+        await upstream_runner.cleanup()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HANG_GUARD)) as session:
+        yield session
+
+
+def auth(key: str = ADMIN_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def error_of(response: aiohttp.ClientResponse) -> dict:
+    body = await response.json()
+    assert set(body["error"]) == {"message", "type", "code", "param"}
+    return body["error"]
+
+
+# ---------------------------------------------------------------- auth and listing
+
+async def test_health_answers_without_a_key(setup: Setup, http: aiohttp.ClientSession) -> None:
+    async with http.get(setup.url + "/health") as response:
+        assert response.status == 200
+        assert (await response.json())["status"] == "ok"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + ADMIN_KEY},
+                                     {"Authorization": "Bearer "}])
+async def test_missing_or_invalid_key_is_401(setup: Setup, http: aiohttp.ClientSession, headers: dict) -> None:
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/systemone")):
+        async with http.request(method, setup.url + path, headers=headers, json={"model": "model-a"}) as response:
+            assert response.status == 401
+            error = await error_of(response)
+            assert error["code"] == "invalid_api_key"
+            assert error["type"] == "authentication_error"
+    assert setup.router.acquire_calls == 0
+
+
+async def test_models_lists_without_acquiring_and_scoped_key_sees_only_its_models(
+        setup: Setup, http: aiohttp.ClientSession) -> None:
+    async with http.get(setup.url + "/v1/models", headers=auth()) as response:
+        listing = await response.json()
+    assert listing["object"] == "list"
+    assert sorted(m["id"] for m in listing["data"]) == ["model-a", "model-b", "model-native"]
+    assert listing["data"][0]["object"] == "model"
+    async with http.get(setup.url + "/v1/models", headers=auth(SCOPED_KEY)) as response:
+        assert [m["id"] for m in (await response.json())["data"]] == ["model-b"]
+    assert setup.router.acquire_calls == 0
+
+
+async def test_scoped_key_gets_the_same_404_as_an_unknown_model(setup: Setup, http: aiohttp.ClientSession) -> None:
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(SCOPED_KEY),
+                         json={"model": "model-a", "messages": []}) as response:
+        assert response.status == 404
+        hidden = await error_of(response)
+    assert setup.router.acquire_calls == 0  # refused before admission: nothing woke
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(),
+                         json={"model": "model-zzz", "messages": []}) as response:
+        assert response.status == 404
+        unknown = await error_of(response)
+    assert hidden["code"] == unknown["code"] == "model_not_found"
+    assert hidden["message"].replace("model-a", "X") == unknown["message"].replace("model-zzz", "X")
+    assert setup.fake.requests == []
+
+
+async def test_auth_off_when_keys_is_none(http: aiohttp.ClientSession) -> None:
+    router = FakeRouter({})
+    runner, url = await _start(build_app(router, None))
+    try:
+        async with http.get(url + "/v1/models") as response:
+            assert response.status == 200
+            assert (await response.json())["data"] == []
+    finally:
+        await runner.cleanup()
+
+
+# ---------------------------------------------------------------- request errors
+
+async def test_router_errors_map_to_openai_errors_with_retry_after(setup: Setup, http: aiohttp.ClientSession) -> None:
+    setup.router.errors["model-a"] = QueueFull("The queue of dep-a is full.", retry_after=2.2)
+    setup.router.errors["model-b"] = Unavailable("dep-b did not wake in time.", code="wake_timeout")
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json={"model": "model-a"}) as response:
+        assert response.status == 429
+        assert response.headers["Retry-After"] == "3"  # rounded up
+        error = await error_of(response)
+        assert (error["code"], error["type"]) == ("queue_full", "rate_limit_error")
+        assert error["message"] == "The queue of dep-a is full."
+    async with http.post(setup.url + "/v1/completions", headers=auth(), json={"model": "model-b"}) as response:
+        assert response.status == 503
+        assert "Retry-After" not in response.headers
+        assert (await error_of(response))["code"] == "wake_timeout"
+
+
+async def test_body_errors(setup: Setup, http: aiohttp.ClientSession) -> None:
+    url = setup.url + "/v1/chat/completions"
+    cases = [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_json"),
+        (json.dumps({"messages": []}).encode(), 400, "missing_model"),
+        (json.dumps({"model": 7}).encode(), 400, "missing_model"),
+        (json.dumps({"model": "model-a", "pad": "x" * 5000}).encode(), 413, "request_too_large"),
+    ]
+    for body, status, code in cases:
+        async with http.post(url, headers={**auth(), "Content-Type": "application/json"}, data=body) as response:
+            assert response.status == status, body[:40]
+            assert (await error_of(response))["code"] == code
+
+    async def chunked_body() -> AsyncIterator[bytes]:  # no Content-Length: the limit holds while reading
+        for _ in range(10):
+            yield b"x" * 1000
+    async with http.post(url, headers=auth(), data=chunked_body()) as response:
+        assert response.status == 413
+        assert (await error_of(response))["code"] == "request_too_large"
+    assert setup.router.acquire_calls == 0
+
+
+@pytest.mark.parametrize("path", ["/sleep", "/wake_up", "/collective_rpc", "/release_memory_occupation",
+                                  "/resume_memory_occupation", "/props", "/slots", "/is_sleeping",
+                                  "/v1/sleep", "/metrics/../sleep", "/models/unload"])
+async def test_engine_control_routes_are_not_reachable(setup: Setup, http: aiohttp.ClientSession, path: str) -> None:
+    for method in ("GET", "POST"):
+        async with http.request(method, setup.url + path, headers=auth(), json={"model": "model-a"}) as response:
+            assert response.status in (404, 405) if path.startswith("/metrics") else response.status == 404
+    assert setup.fake.requests == []
+    assert setup.router.acquire_calls == 0
+
+
+# ---------------------------------------------------------------- pass-through
+
+async def test_non_streaming_body_passes_through_with_tool_calls(setup: Setup, http: aiohttp.ClientSession) -> None:
+    setup.fake.body = json.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion", "model": "engine-name-a",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function",
+                            "function": {"name": "get_weather", "arguments": "{\"city\": \"Lima\"}"}}]}}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}).encode()
+    request = {"model": "model-a", "messages": [{"role": "user", "content": "weather?"}],
+               "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]}
+    async with http.post(setup.url + "/v1/chat/completions?level=1", headers=auth(), json=request) as response:
+        assert response.status == 200
+        assert await response.read() == setup.fake.body  # byte for byte
+    path, headers, sent = setup.fake.requests[-1]
+    assert path == "/v1/chat/completions"  # the query string is not the client's to pass on
+    assert headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"  # the launch key, never the client's
+    assert json.loads(sent) == {**request, "model": "engine-name-a"}  # only "model" rewritten
+    assert setup.router.in_flight == 0 and setup.router.released == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings"])
+async def test_other_routes_pass_through_to_the_same_path_with_engine_status(
+        setup: Setup, http: aiohttp.ClientSession, path: str) -> None:
+    setup.fake.status = 400
+    setup.fake.body = b'{"error": {"message": "prompt too long", "type": "invalid_request_error", "code": null}}'
+    raw = b'{"model": "model-b",  "input": "hi"}'  # served_model unset: bytes go on untouched
+    async with http.post(setup.url + path, headers={**auth(), "Content-Type": "application/json"},
+                         data=raw) as response:
+        assert response.status == 400
+        assert await response.read() == setup.fake.body
+    assert setup.fake.requests[-1][0] == path
+    assert setup.fake.requests[-1][2] == raw
+
+
+async def test_engine_refusing_the_launch_key_is_a_502(setup: Setup, http: aiohttp.ClientSession) -> None:
+    setup.fake.status = 401
+    async with http.post(setup.url + "/v1/completions", headers=auth(), json={"model": "model-b"}) as response:
+        assert response.status == 502
+        assert (await error_of(response))["code"] == "engine_auth_failed"
+
+
+async def test_unreachable_engine_is_502_before_headers(setup: Setup, http: aiohttp.ClientSession) -> None:
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    setup.router.upstreams["model-dead"] = Upstream("dep-dead", f"http://127.0.0.1:{dead_port}", None, "custom")
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(),
+                         json={"model": "model-dead", "stream": True}) as response:
+        assert response.status == 502
+        error = await error_of(response)
+        assert (error["code"], error["type"]) == ("engine_unreachable", "server_error")
+    assert setup.router.in_flight == 0
+
+
+# ---------------------------------------------------------------- streaming
+
+async def test_stream_arrives_chunk_by_chunk(setup: Setup, http: aiohttp.ClientSession) -> None:
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(),
+                         json={"model": "model-a", "stream": True}) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        assert response.headers["Cache-Control"] == "no-cache"
+        assert response.headers["X-Accel-Buffering"] == "no"
+        # The fake engine holds its second chunk until we have seen the first: a proxy that
+        # buffered would never deliver it and this read would hit the hang guard.
+        first = await asyncio.wait_for(response.content.readuntil(b"\n\n"), HANG_GUARD)
+        assert b'"first"' in first
+        assert not setup.fake.second_chunk_sent
+        setup.fake.release_second_chunk.set()
+        rest = await response.read()
+    assert b'"last"' in rest and rest.endswith(b"data: [DONE]\n\n")
+    assert setup.router.in_flight == 0 and setup.router.released == 1
+
+
+async def test_client_disconnect_mid_stream_stops_upstream_and_releases(
+        setup: Setup, http: aiohttp.ClientSession) -> None:
+    setup.fake.stream_mode = "endless"
+    response = await http.post(setup.url + "/v1/chat/completions", headers=auth(),
+                               json={"model": "model-a", "stream": True})
+    await asyncio.wait_for(response.content.readuntil(b"\n\n"), HANG_GUARD)
+    assert setup.router.in_flight == 1
+    response.close()  # the client goes away
+    await eventually(setup.fake.stream_stopped.is_set, "the engine's stream stopped")
+    await eventually(lambda: setup.router.in_flight == 0 and setup.router.released == 1, "admission released")
+
+
+async def test_client_disconnect_while_queued_leaves_the_queue(setup: Setup, http: aiohttp.ClientSession) -> None:
+    setup.router.gate = asyncio.Event()  # a wake that never finishes
+    client = asyncio.create_task(http.post(setup.url + "/v1/chat/completions", headers=auth(),
+                                           json={"model": "model-a"}))
+    await eventually(lambda: setup.router.waiting == 1, "the request queued")
+    client.cancel()  # the client gives up: its connection closes
+    await eventually(lambda: setup.router.waiting == 0, "the queue slot was given back")
+    assert setup.router.in_flight == 0 and setup.fake.requests == []
+
+
+async def test_engine_death_mid_stream_raises_in_the_openai_client(setup: Setup) -> None:
+    setup.fake.stream_mode = "die"
+    client = openai.AsyncOpenAI(base_url=setup.url + "/v1", api_key=ADMIN_KEY, max_retries=0)
+
+    async def consume() -> list[str]:
+        seen = []
+        stream = await client.chat.completions.create(model="model-a", stream=True,
+                                                      messages=[{"role": "user", "content": "hi"}])
+        async for chunk in stream:
+            seen.append(chunk.choices[0].delta.content)
+        return seen
+
+    try:
+        with pytest.raises(openai.APIError) as caught:
+            await asyncio.wait_for(consume(), HANG_GUARD)
+    finally:
+        await client.close()
+    assert caught.value.code == "engine_unreachable"
+    await eventually(lambda: setup.router.in_flight == 0, "admission released")
+
+
+# ---------------------------------------------------------------- metrics
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    samples: dict[tuple[str, frozenset], float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        assert match, f"not Prometheus text: {line!r}"
+        name, labels, value = match.groups()
+        pairs = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels or ""))
+        samples[(name, pairs)] = math.inf if value == "+Inf" else float(value)
+    return samples
+
+
+async def test_metrics_count_requests(setup: Setup, http: aiohttp.ClientSession) -> None:
+    setup.fake.body = b'{"ok": true}'
+    for _ in range(3):
+        async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json={"model": "model-b"}) as r:
+            assert r.status == 200
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json={"model": "nope"}) as r:
+        assert r.status == 404
+    async with http.get(setup.url + "/metrics", headers=auth(SCOPED_KEY)) as r:
+        assert r.status == 403
+    async with http.get(setup.url + "/metrics", headers=auth()) as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        samples = parse_metrics(await r.text())
+
+    route = ("route", "/v1/chat/completions")
+    assert samples[("capyctl_requests_total", frozenset({("deployment", "dep-b"), route, ("status", "200")}))] == 3
+    assert samples[("capyctl_requests_total", frozenset({("deployment", ""), route, ("status", "404")}))] == 1
+    dep_b = frozenset({("deployment", "dep-b"), route})
+    assert samples[("capyctl_request_duration_seconds_count", dep_b)] == 3
+    assert samples[("capyctl_request_duration_seconds_bucket", dep_b | {("le", "+Inf")})] == 3
+    assert samples[("capyctl_wakes_total", frozenset({("deployment", "dep-b")}))] == 2
+    assert samples[("capyctl_parks_total", frozenset({("deployment", "dep-a")}))] == 1
+    assert samples[("capyctl_queue_depth", frozenset({("deployment", "dep-a")}))] == 0
+    assert samples[("capyctl_in_flight", frozenset({("deployment", "dep-a")}))] == 0
+
+
+# ---------------------------------------------------------------- /v1/systemone
+
+SYSTEMONE_QUESTIONS = {
+    "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+    "route": {"type": "choice", "instructions": "Which team?",
+              "criteria": {"billing": "money matters", "shipping": None, "technical": None}},
+    "urgency": {"type": "score", "instructions": "How urgent?",
+                "criteria": ["can wait", "this week", "today", "right now"]},
+}
+
+
+@pytest.mark.parametrize("questions, path", [
+    ({}, "questions"),
+    ({"q": {"type": "choice", "instructions": "x", "criteria": {"only": None}}}, "questions.q.criteria"),
+    ({"q": {"type": "score", "instructions": "x", "criteria": ["one"]}}, "questions.q.criteria"),
+    ({"q": {"type": "maybe", "instructions": "x"}}, "questions.q.type"),
+    ({"q": {"type": "noul"}}, "questions.q.instructions"),
+    ({"q": {"type": "noul", "instructions": "x", "criteria": {"perhaps": "y"}}}, "questions.q.criteria.perhaps"),
+])
+async def test_systemone_validation_is_422_with_the_field_path(
+        setup: Setup, http: aiohttp.ClientSession, questions: dict, path: str) -> None:
+    request = {"model": "model-a", "state": "text", "questions": questions}
+    async with http.post(setup.url + "/v1/systemone", headers=auth(), json=request) as response:
+        assert response.status == 422
+        error = await error_of(response)
+    assert error["code"] == "invalid_systemone_request"
+    assert error["param"] == path
+    assert error["message"].startswith(path + ":")
+    assert setup.router.acquire_calls == 0  # a bad request wakes nothing
+
+
+async def test_systemone_from_logprobs(setup: Setup, http: aiohttp.ClientSession) -> None:
+    ln = math.log
+    setup.fake.top_logprobs = {
+        # yes-like 0.6 + 0.1, no-like 0.2; "Maybe" stands for no option
+        "noul": [{"token": "Yes", "logprob": ln(0.6)}, {"token": " yes", "logprob": ln(0.1)},
+                 {"token": "No", "logprob": ln(0.2)}, {"token": "Maybe", "logprob": ln(0.05)}],
+        # A 0.5, B 0.3 (as a letter and as the label's start), C absent: floor = 0.02 / 10
+        "choice": [{"token": "A", "logprob": ln(0.5)}, {"token": "B", "logprob": ln(0.2)},
+                   {"token": "ship", "logprob": ln(0.1)}, {"token": "x", "logprob": ln(0.02)}],
+        # levels 0..3: "2" 0.6, "3" 0.3, "1" 0.05, "0" absent: floor = 0.05 / 10; "7" is no level
+        "score": [{"token": "2", "logprob": ln(0.6)}, {"token": "3", "logprob": ln(0.3)},
+                  {"token": "1", "logprob": ln(0.05)}, {"token": "7", "logprob": ln(0.05)}],
+    }
+    request = {"model": "model-a", "state": {"message": "I was charged twice!"}, "questions": SYSTEMONE_QUESTIONS}
+    async with http.post(setup.url + "/v1/systemone", headers=auth(), json=request) as response:
+        assert response.status == 200, await response.text()
+        result = await response.json()
+
+    assert result["model"] == "model-a"
+    assert result["usage"] == {"input_tokens": 30, "output_tokens": 3}
+    answers = result["answers"]
+    assert answers["angry"] == {"type": "noul", "noul": pytest.approx(0.7 / 0.9)}
+
+    choice = answers["route"]
+    masses = {"billing": 0.5, "shipping": 0.3, "technical": 0.002}
+    expected = {k: v / sum(masses.values()) for k, v in masses.items()}
+    assert choice["type"] == "choice" and choice["choice"] == "billing"
+    assert choice["probabilities"] == pytest.approx(expected)
+    assert choice["confidence"] == pytest.approx((expected["billing"] - 1 / 3) / (1 - 1 / 3))
+
+    score = answers["urgency"]
+    masses_s = [0.005, 0.05, 0.6, 0.3]
+    probs = [m / sum(masses_s) for m in masses_s]
+    assert score["type"] == "score"
+    assert score["legend"] == {"0": "can wait", "1": "this week", "2": "today", "3": "right now"}
+    assert score["probabilities"] == pytest.approx({str(i): p for i, p in enumerate(probs)})
+    assert score["score"] == pytest.approx(sum(i * p for i, p in enumerate(probs)))
+    dist = sum(p * abs(i - 2) for i, p in enumerate(probs))
+    assert score["confidence"] == pytest.approx(1 - dist / sum(abs(i - 1.5) / 4 for i in range(4)))
+
+    asked = [json.loads(body) for path, _, body in setup.fake.requests]
+    assert len(asked) == 3
+    for payload in asked:
+        assert payload["model"] == "engine-name-a"
+        assert (payload["max_tokens"], payload["temperature"], payload["logprobs"], payload["top_logprobs"]) == \
+            (1, 0, True, 20)
+        assert "I was charged twice!" in payload["messages"][-1]["content"]
+    assert setup.router.in_flight == 0 and setup.router.released == 1
+
+
+async def test_systemone_passes_through_to_a_native_engine(setup: Setup, http: aiohttp.ClientSession) -> None:
+    setup.fake.body = b'{"model": "clef", "answers": {"angry": {"type": "noul", "noul": 0.25}}, "usage": ' \
+                      b'{"input_tokens": 9, "output_tokens": 0}}'
+    request = {"model": "model-native", "state": "s", "questions": {"angry": SYSTEMONE_QUESTIONS["angry"]}}
+    async with http.post(setup.url + "/v1/systemone", headers=auth(), json=request) as response:
+        assert response.status == 200
+        assert await response.read() == setup.fake.body
+    assert setup.fake.requests[-1][0] == "/v1/systemone"
+
+
+async def test_systemone_unsupported_without_logprobs_or_native_route(
+        setup: Setup, http: aiohttp.ClientSession) -> None:
+    request = {"model": "model-b", "state": "s", "questions": {"angry": SYSTEMONE_QUESTIONS["angry"]}}
+    async with http.post(setup.url + "/v1/systemone", headers=auth(SCOPED_KEY), json=request) as response:
+        assert response.status == 400
+        assert (await error_of(response))["code"] == "systemone_unsupported"
+    assert setup.fake.requests == []
+
+
+async def test_systemone_engine_error_is_reported(setup: Setup, http: aiohttp.ClientSession) -> None:
+    setup.fake.top_logprobs = {}  # the fake engine fails on every question (KeyError -> 500)
+    request = {"model": "model-a", "state": "s", "questions": SYSTEMONE_QUESTIONS}
+    async with http.post(setup.url + "/v1/systemone", headers=auth(), json=request) as response:
+        assert response.status == 502
+        assert (await error_of(response))["code"] == "engine_error"
+    assert setup.router.in_flight == 0
