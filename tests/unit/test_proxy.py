@@ -303,11 +303,12 @@ async def test_body_errors(setup: Setup, http: aiohttp.ClientSession) -> None:
 
 @pytest.mark.parametrize("path", ["/sleep", "/wake_up", "/collective_rpc", "/release_memory_occupation",
                                   "/resume_memory_occupation", "/props", "/slots", "/is_sleeping",
-                                  "/v1/sleep", "/metrics/../sleep", "/models/unload"])
+                                  "/v1/sleep", "/v1/../sleep", "/models/unload", "/v1/chat/completions/../../sleep"])
 async def test_engine_control_routes_are_not_reachable(setup: Setup, http: aiohttp.ClientSession, path: str) -> None:
     for method in ("GET", "POST"):
         async with http.request(method, setup.url + path, headers=auth(), json={"model": "model-a"}) as response:
-            assert response.status in (404, 405) if path.startswith("/metrics") else response.status == 404
+            assert response.status == 404
+            assert (await error_of(response))["code"] == "unknown_route"
     assert setup.fake.requests == []
     assert setup.router.acquire_calls == 0
 
@@ -582,3 +583,30 @@ async def test_systemone_engine_error_is_reported(setup: Setup, http: aiohttp.Cl
         assert response.status == 502
         assert (await error_of(response))["code"] == "engine_error"
     assert setup.router.in_flight == 0
+
+
+async def test_request_timeout_bounds_the_upstream_exchange(setup: Setup, http: aiohttp.ClientSession) -> None:
+    # The fake engine never sends its second chunk (nobody sets the event) and a
+    # non-streaming request to /v1/completions waits on the same event.
+    async def never(request: web.Request) -> web.Response:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+    slow_app = web.Application()
+    slow_app.router.add_post("/v1/completions", never)
+    slow_runner, slow_url = await _start(slow_app)
+    router = FakeRouter({"slow": Upstream("dep-slow", slow_url, None, "custom"),
+                         "model-a": setup.router.upstreams["model-a"]})
+    runner, url = await _start(build_app(router, None, request_timeout=0.5))
+    try:
+        async with http.post(url + "/v1/completions", json={"model": "slow"}) as response:
+            assert response.status == 504
+            assert (await error_of(response))["code"] == "engine_timeout"
+        async with http.post(url + "/v1/chat/completions", json={"model": "model-a", "stream": True}) as response:
+            assert response.status == 200  # headers went out before the bound was reached
+            text = await response.text()
+        assert text.startswith(sse_chunk("first").decode())
+        assert json.loads(text.rstrip().rsplit("data: ", 1)[1])["error"]["code"] == "engine_timeout"
+        assert router.in_flight == 0
+    finally:
+        await runner.cleanup()
+        await slow_runner.cleanup()
