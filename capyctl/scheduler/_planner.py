@@ -267,7 +267,7 @@ def _no_room(request: Request, ledger: Ledger, options: list[_Option], activity:
     need = []
     if fp.gpus:
         each = "a whole card" if fp.gpu_memory is None else f"{format_size(fp.gpu_memory)} free on each"
-        need.append(f"{fp.gpus} identical GPU{'s' if fp.gpus > 1 else ''} with {each}")
+        need.append(f"{fp.gpus} identical GPUs with {each}" if fp.gpus > 1 else f"a GPU with {each.replace(' on each', '')}")
     need.append(f"{format_size(fp.ram)} of host RAM")
     hosts = list(dict.fromkeys(o.host for o in options))
     allowed = ledger.hosts if request.hosts is None else tuple(request.hosts)
@@ -283,7 +283,8 @@ def _no_room(request: Request, ledger: Ledger, options: list[_Option], activity:
         if not known:
             sentence += " None of those hosts is known."
         else:
-            sentence += (f" No such host has {fp.gpus} identical GPUs (same model and memory).")
+            sentence += (f" No such host has {fp.gpus} identical GPUs (same model and memory)." if fp.gpus > 1
+                         else " No such host has a GPU.")
         return NoRoom(sentence, detail=detail)
     parts = []
     for host in hosts:
