@@ -172,10 +172,11 @@ class Ledger:
         MemAvailable for RAM).
 
         Use beyond the active charges is first explained by pending releases, oldest kept
-        longest (they are the most likely still held); pending releases the observation shows
-        gone are cleared; any use left unexplained becomes the domain's external charge until
-        the next observation. A deployment still starting may not have allocated yet, so an
-        observation never lowers anything below the active charges.
+        longest (they are the most likely still held): pending releases are cleared, newest
+        first, or trimmed until they add up to no more than that use; any use left unexplained
+        becomes the domain's external charge until the next observation. Afterwards the domain's
+        charges equal what was observed, except that an observation never lowers anything below
+        the active charges (a deployment still starting may not have allocated yet).
         """
         dom = self._require(domain)
         unexplained = dom.capacity - free - sum(self._active[domain].values())
@@ -185,13 +186,17 @@ class Ledger:
             self._external[domain] = 0
             return
         held = sum(pending.values())
-        # Clear the newest pending releases first while what remains still explains the use.
         for deployment in reversed(list(pending)):
+            if held <= unexplained:
+                break
             amount = pending[deployment]
-            if held - amount >= unexplained:
+            cut = min(amount, held - unexplained)
+            if cut == amount:
                 del pending[deployment]
-                held -= amount
-        self._external[domain] = max(0, unexplained - held)
+            else:
+                pending[deployment] = amount - cut
+            held -= cut
+        self._external[domain] = unexplained - held
 
     # -- queries ----------------------------------------------------------------------------
 
