@@ -1,0 +1,620 @@
+"""capyctl-bench: performance figures of any OpenAI-compatible endpoint, CapyCTL's first.
+
+Measures time to first token, decode tokens/s, prompt processing tokens/s by prompt length,
+concurrent streams (aggregate tokens/s, per-stream time to first token), wake latency of a
+parked deployment against a cold start (through CapyCTL's management API or its CLI), and
+/v1/systemone latency. Writes report.json and report.md; PNG charts when matplotlib imports.
+
+This file is standard library only and imports nothing from CapyCTL, so it can be copied and
+run anywhere: ``python3 capyctl_bench.py --base-url http://127.0.0.1:8000 --model NAME``.
+It is the core of the package ``capyctl.bench``; benchmarks/capyctl_bench.py is generated
+from it (``python -m capyctl.bench --write-standalone PATH``) and a test keeps them equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPORT_VERSION = 1
+DEFAULT_PROMPT_LENGTHS = (16, 32, 64, 128, 256, 512)
+DEFAULT_CONCURRENCY = (1, 2, 4, 8)
+# Words that most tokenizers keep as one token each (with their leading space), so a prompt of
+# N words is close to N tokens; the report uses the engine's own prompt_tokens count anyway.
+_WORDS = ("river grass water sun tree stone cloud rain wind leaf bird fish lake hill road field "
+          "house light night day warm cold green blue red small big old new long short").split()
+
+
+class BenchError(Exception):
+    """A benchmark that cannot go on, with a stable snake_case code and a human sentence."""
+
+    def __init__(self, message: str, *, code: str = "bench_failed") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+# ---------------------------------------------------------------- the endpoint
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An OpenAI-compatible server: ``base_url`` with or without the trailing /v1."""
+
+    base_url: str
+    model: str
+    api_key: str | None = None
+    timeout: float = 300.0
+
+    def _parts(self) -> tuple[str, str, int, str]:
+        url = urllib.parse.urlsplit(self.base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise BenchError(f"the base URL {self.base_url!r} is not an http(s) URL", code="invalid_base_url")
+        prefix = url.path.rstrip("/")
+        if prefix.endswith("/v1"):
+            prefix = prefix[:-3]
+        return url.scheme, url.hostname, url.port or (443 if url.scheme == "https" else 80), prefix
+
+    def connection(self) -> http.client.HTTPConnection:
+        scheme, host, port, _ = self._parts()
+        cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        return cls(host, port, timeout=self.timeout)
+
+    def path(self, route: str) -> str:
+        return self._parts()[3] + route
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+
+@dataclass
+class StreamResult:
+    """One streamed chat completion as the client saw it; times in seconds from sending."""
+
+    ok: bool
+    status: int
+    ttft: float | None = None  # first chunk with content
+    total: float = 0.0
+    content_chunks: int = 0
+    completion_tokens: int | None = None  # from the usage chunk, when the engine sends one
+    prompt_tokens: int | None = None
+    done: bool = False  # saw "data: [DONE]"
+    error: str | None = None
+    text: str = ""
+    last_token_at: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else self.content_chunks
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Tokens per second after the first one (the first one is prompt processing)."""
+        if self.ttft is None or self.last_token_at is None or self.tokens < 2:
+            return None
+        span = self.last_token_at - self.ttft
+        return (self.tokens - 1) / span if span > 0 else None
+
+
+def chat_body(endpoint: Endpoint, prompt: str, max_tokens: int, *, stream: bool,
+              ignore_eos: bool = True) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": endpoint.model, "messages": [{"role": "user", "content": prompt}],
+                            "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if ignore_eos:
+        # llama-server, vLLM and SGLang accept it: every answer is exactly max_tokens long,
+        # so runs compare like with like. --no-ignore-eos for servers that refuse it.
+        body["ignore_eos"] = True
+    return body
+
+
+def stream_chat(endpoint: Endpoint, prompt: str, max_tokens: int, *, ignore_eos: bool = True,
+                body: dict[str, Any] | None = None) -> StreamResult:
+    """Send one streaming chat completion and read it to its end."""
+    payload = json.dumps(body or chat_body(endpoint, prompt, max_tokens, stream=True,
+                                           ignore_eos=ignore_eos)).encode()
+    conn = endpoint.connection()
+    started = time.perf_counter()
+    try:
+        conn.request("POST", endpoint.path("/v1/chat/completions"), body=payload, headers=endpoint.headers())
+        response = conn.getresponse()
+        if response.status != 200:
+            text = response.read().decode(errors="replace")
+            return StreamResult(ok=False, status=response.status, total=time.perf_counter() - started,
+                                error=text[:500])
+        result = StreamResult(ok=False, status=200)
+        parts: list[str] = []
+        while True:
+            line = response.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                result.done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                result.error = json.dumps(event["error"])[:500]
+                continue
+            now = time.perf_counter() - started
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta") or {}
+                piece = delta.get("content") or delta.get("reasoning_content")
+                if piece:
+                    result.content_chunks += 1
+                    parts.append(piece)
+                    result.last_token_at = now
+                    if result.ttft is None:
+                        result.ttft = now
+            usage = event.get("usage")
+            if usage:
+                result.completion_tokens = usage.get("completion_tokens")
+                result.prompt_tokens = usage.get("prompt_tokens")
+        result.total = time.perf_counter() - started
+        result.text = "".join(parts)
+        result.ok = result.done and result.error is None and result.ttft is not None
+        if not result.done and result.error is None:
+            result.error = "the stream ended without data: [DONE]"
+        return result
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return StreamResult(ok=False, status=0, total=time.perf_counter() - started,
+                            error=f"{type(exc).__name__}: {exc}")
+    finally:
+        conn.close()
+
+
+def post_json(endpoint: Endpoint, route: str, body: dict[str, Any]) -> tuple[int, Any, float]:
+    """Status, parsed answer (None when not JSON) and seconds of one non-streaming request."""
+    conn = endpoint.connection()
+    started = time.perf_counter()
+    try:
+        conn.request("POST", endpoint.path(route), body=json.dumps(body).encode(), headers=endpoint.headers())
+        response = conn.getresponse()
+        raw = response.read()
+        seconds = time.perf_counter() - started
+    finally:
+        conn.close()
+    try:
+        return response.status, json.loads(raw), seconds
+    except ValueError:
+        return response.status, None, seconds
+
+
+def make_prompt(words: int, nonce: str) -> str:
+    """A prompt of about ``words`` tokens that starts with ``nonce``, so no prompt cache serves it."""
+    rng = random.Random(nonce)
+    filler = " ".join(rng.choice(_WORDS) for _ in range(max(words - 4, 1)))
+    return f"{nonce}: {filler}"
+
+
+def _nonce() -> str:
+    return f"run{random.getrandbits(40):x}"
+
+
+# ---------------------------------------------------------------- statistics
+
+def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Median, p95, min, max and count of the values that exist."""
+    xs = sorted(v for v in values if v is not None)
+    if not xs:
+        return {"n": 0, "median": None, "p95": None, "min": None, "max": None}
+    p95 = statistics.quantiles(xs, n=20, method="inclusive")[-1] if len(xs) >= 2 else xs[0]
+    return {"n": len(xs), "median": statistics.median(xs), "p95": p95, "min": xs[0], "max": xs[-1]}
+
+
+# ---------------------------------------------------------------- controlling CapyCTL
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._socket_path)
+        self.sock = sock
+
+
+class Control:
+    """Parks, stops and reads a deployment through CapyCTL's management API socket or its CLI."""
+
+    def __init__(self, *, api_socket: str | None = None, cli: Sequence[str] | None = None,
+                 timeout: float = 600.0) -> None:
+        if not api_socket and not cli:
+            raise BenchError("give the management API socket or the capyctl command", code="no_control")
+        self.api_socket = api_socket
+        self.cli = list(cli) if cli else None
+        self.timeout = timeout
+
+    def _api(self, method: str, route: str) -> Any:
+        conn = _UnixHTTPConnection(self.api_socket or "", self.timeout)
+        try:
+            conn.request(method, route, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            raw = response.read()
+        except OSError as exc:
+            raise BenchError(f"the management API at {self.api_socket} is unreachable: {exc}",
+                             code="control_unreachable") from None
+        finally:
+            conn.close()
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = {"raw": raw.decode(errors="replace")[:300]}
+        if response.status >= 400:
+            raise BenchError(f"{method} {route} answered {response.status}: {json.dumps(answer)[:300]}",
+                             code="control_failed")
+        return answer
+
+    def _run_cli(self, *args: str) -> str:
+        out = subprocess.run([*(self.cli or []), *args], capture_output=True, text=True, timeout=self.timeout)
+        if out.returncode != 0:
+            raise BenchError(f"{' '.join(self.cli or [])} {' '.join(args)} exited {out.returncode}: "
+                             f"{out.stderr.strip()[:300]}", code="control_failed")
+        return out.stdout
+
+    def action(self, verb: str, deployment: str) -> None:
+        """``park``, ``stop`` or ``wake``; returns when CapyCTL has done it."""
+        if self.api_socket:
+            self._api("POST", f"/v1/deployments/{urllib.parse.quote(deployment, safe='')}/{verb}")
+        else:
+            self._run_cli(verb, "deployment", deployment)
+
+    def state(self, deployment: str) -> str:
+        if self.api_socket:
+            info = self._api("GET", f"/v1/deployments/{urllib.parse.quote(deployment, safe='')}")
+        else:
+            info = json.loads(self._run_cli("status", "deployment", deployment, "--json"))
+        return str(info.get("state"))
+
+
+# ---------------------------------------------------------------- measurements
+
+@dataclass
+class BenchConfig:
+    runs: int = 5
+    max_tokens: int = 64
+    prompt_lengths: tuple[int, ...] = DEFAULT_PROMPT_LENGTHS
+    concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
+    concurrency_tokens: int = 32
+    wake_runs: int = 3
+    systemone_runs: int = 10
+    ignore_eos: bool = True
+    deployment: str | None = None  # for park/stop; the model name when None
+    skip: frozenset[str] = field(default_factory=frozenset)  # section names to leave out
+
+
+def _require_ok(result: StreamResult, what: str) -> StreamResult:
+    if not result.ok:
+        raise BenchError(f"{what} failed (HTTP {result.status}): {result.error}", code="request_failed")
+    return result
+
+
+def measure_latency(endpoint: Endpoint, config: BenchConfig) -> dict[str, Any]:
+    """Time to first token and decode tokens/s of single streams, one after another."""
+    results = [_require_ok(stream_chat(endpoint, make_prompt(32, _nonce()), config.max_tokens,
+                                       ignore_eos=config.ignore_eos), "a latency stream")
+               for _ in range(config.runs)]
+    return {"max_tokens": config.max_tokens,
+            "ttft_s": summarize([r.ttft for r in results]),
+            "decode_tokens_per_s": summarize([r.decode_tps for r in results]),
+            "completion_tokens": summarize([r.tokens for r in results])}
+
+
+def measure_prompt_sweep(endpoint: Endpoint, config: BenchConfig) -> list[dict[str, Any]]:
+    """Prompt processing speed by length: prompt tokens / time to the first token."""
+    points = []
+    for words in config.prompt_lengths:
+        rates, ttfts, counts = [], [], []
+        for _ in range(max(1, config.runs // 2)):
+            r = _require_ok(stream_chat(endpoint, make_prompt(words, _nonce()), 1, ignore_eos=config.ignore_eos),
+                            f"a {words}-word prompt")
+            ttfts.append(r.ttft)
+            if r.prompt_tokens and r.ttft:
+                counts.append(r.prompt_tokens)
+                rates.append(r.prompt_tokens / r.ttft)
+        points.append({"target_tokens": words, "prompt_tokens": statistics.median(counts) if counts else None,
+                       "ttft_s": summarize(ttfts), "prompt_tokens_per_s": summarize(rates)})
+    return points
+
+
+def run_streams(endpoint: Endpoint, streams: int, max_tokens: int, *, ignore_eos: bool = True,
+                prompt_words: int = 16) -> tuple[list[StreamResult], float]:
+    """``streams`` streams at once, each in its own thread; their results and the wall time."""
+    prompts = [make_prompt(prompt_words, _nonce()) for _ in range(streams)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        results = list(pool.map(lambda p: stream_chat(endpoint, p, max_tokens, ignore_eos=ignore_eos), prompts))
+    return results, time.perf_counter() - started
+
+
+def measure_concurrency(endpoint: Endpoint, config: BenchConfig) -> list[dict[str, Any]]:
+    points = []
+    for streams in config.concurrency:
+        results, wall = run_streams(endpoint, streams, config.concurrency_tokens, ignore_eos=config.ignore_eos)
+        failed = [r for r in results if not r.ok]
+        tokens = sum(r.tokens for r in results if r.ok)
+        points.append({"streams": streams, "wall_s": wall, "failed": len(failed),
+                       "errors": sorted({r.error or "" for r in failed})[:5],
+                       "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
+                       "ttft_s": summarize([r.ttft for r in results if r.ok]),
+                       "per_stream_ttft_s": [r.ttft for r in results],
+                       "per_stream_decode_tokens_per_s": summarize([r.decode_tps for r in results if r.ok])})
+    return points
+
+
+def _first_token_after(endpoint: Endpoint, config: BenchConfig, what: str) -> float:
+    r = _require_ok(stream_chat(endpoint, make_prompt(16, _nonce()), 2, ignore_eos=config.ignore_eos), what)
+    assert r.ttft is not None
+    return r.ttft
+
+
+def measure_wake(endpoint: Endpoint, control: Control, config: BenchConfig) -> dict[str, Any]:
+    """Parked → first token against stopped → first token, alternating so drift hits both."""
+    deployment = config.deployment or endpoint.model
+    warm, parked, cold = [], [], []
+    for _ in range(config.wake_runs):
+        warm.append(_first_token_after(endpoint, config, "a warm request"))  # also makes sure it is up
+        control.action("park", deployment)
+        state = control.state(deployment)
+        if state != "parked":
+            raise BenchError(f"after park the deployment is {state!r}, not parked", code="park_failed")
+        parked.append(_first_token_after(endpoint, config, "a request to the parked deployment"))
+        control.action("stop", deployment)
+        cold.append(_first_token_after(endpoint, config, "a request to the stopped deployment"))
+    warm_median = summarize(warm)["median"]
+    parked_median, cold_median = summarize(parked)["median"], summarize(cold)["median"]
+    return {"deployment": deployment, "warm_ttft_s": summarize(warm), "parked_ttft_s": summarize(parked),
+            "cold_ttft_s": summarize(cold),
+            "wake_over_cold": parked_median / cold_median if parked_median and cold_median else None,
+            "wake_over_warm": parked_median / warm_median if parked_median and warm_median else None}
+
+
+SYSTEMONE_BODY = {
+    "state": "The user wrote: 'My order arrived broken and I want my money back.'",
+    "questions": {
+        "refund": {"type": "noul", "instructions": "Does the user ask for a refund?"},
+        "mood": {"type": "choice", "instructions": "How does the user feel?",
+                 "criteria": {"angry": None, "happy": None, "neutral": None}},
+    },
+}
+
+
+def measure_systemone(endpoint: Endpoint, config: BenchConfig) -> dict[str, Any]:
+    seconds, statuses = [], {}
+    for _ in range(config.systemone_runs):
+        status, answer, took = post_json(endpoint, "/v1/systemone", {"model": endpoint.model, **SYSTEMONE_BODY})
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == 200:
+            seconds.append(took)
+        elif not seconds and status in (400, 404, 501):
+            # The endpoint does not serve it for this model: say so once, do not hammer it.
+            return {"supported": False, "status": status, "error": answer}
+    return {"supported": True, "latency_s": summarize(seconds), "statuses": statuses}
+
+
+SECTIONS = ("latency", "prompt_sweep", "concurrency", "wake", "systemone")
+
+
+def run_benchmark(endpoint: Endpoint, config: BenchConfig, *, control: Control | None = None,
+                  log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Every section not skipped; wake needs ``control``. Returns the report as a dict."""
+    report: dict[str, Any] = {
+        "version": REPORT_VERSION, "started_at": time.time(), "base_url": endpoint.base_url,
+        "model": endpoint.model, "config": {k: (sorted(v) if isinstance(v, frozenset) else v)
+                                            for k, v in asdict(config).items()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+    }
+    log("warming up")
+    _require_ok(stream_chat(endpoint, "Hello", 4, ignore_eos=config.ignore_eos), "the warm-up request")
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("latency", lambda: measure_latency(endpoint, config)),
+        ("prompt_sweep", lambda: measure_prompt_sweep(endpoint, config)),
+        ("concurrency", lambda: measure_concurrency(endpoint, config)),
+        ("systemone", lambda: measure_systemone(endpoint, config)),
+    ]
+    if control is not None:
+        steps.append(("wake", lambda: measure_wake(endpoint, control, config)))
+    for name, step in steps:
+        if name in config.skip:
+            continue
+        log(f"measuring {name}")
+        report[name] = step()
+    report["finished_at"] = time.time()
+    return report
+
+
+# ---------------------------------------------------------------- output
+
+def _fmt(value: Any, unit: str = "", scale: float = 1.0, digits: int = 1) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value * scale:.{digits}f}{unit}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    lines = [f"# capyctl-bench: {report['model']} at {report['base_url']}", "",
+             f"Machine: {report['machine']['cpus']} CPUs, {report['machine']['platform']}.", ""]
+    if "latency" in report:
+        lat = report["latency"]
+        lines += ["## Single stream", "", "| metric | median | p95 |", "|---|---|---|",
+                  f"| time to first token | {_fmt(lat['ttft_s']['median'], ' ms', 1000)} | "
+                  f"{_fmt(lat['ttft_s']['p95'], ' ms', 1000)} |",
+                  f"| decode tokens/s ({lat['max_tokens']} tokens) | {_fmt(lat['decode_tokens_per_s']['median'])} | "
+                  f"{_fmt(lat['decode_tokens_per_s']['p95'])} |", ""]
+    if "prompt_sweep" in report:
+        lines += ["## Prompt processing by length", "",
+                  "| prompt tokens | time to first token (median) | prompt tokens/s (median) |", "|---|---|---|"]
+        for p in report["prompt_sweep"]:
+            lines.append(f"| {_fmt(p['prompt_tokens'], digits=0)} | {_fmt(p['ttft_s']['median'], ' ms', 1000)} | "
+                         f"{_fmt(p['prompt_tokens_per_s']['median'])} |")
+        lines.append("")
+    if "concurrency" in report:
+        lines += ["## Concurrent streams", "",
+                  "| streams | aggregate tokens/s | TTFT median | TTFT p95 | failed |", "|---|---|---|---|---|"]
+        for p in report["concurrency"]:
+            lines.append(f"| {p['streams']} | {_fmt(p['aggregate_tokens_per_s'])} | "
+                         f"{_fmt(p['ttft_s']['median'], ' ms', 1000)} | {_fmt(p['ttft_s']['p95'], ' ms', 1000)} | "
+                         f"{p['failed']} |")
+        lines.append("")
+    if "wake" in report:
+        w = report["wake"]
+        lines += ["## Wake against cold start", "", "| from | first token (median) | p95 |", "|---|---|---|",
+                  f"| ready | {_fmt(w['warm_ttft_s']['median'], ' ms', 1000)} | {_fmt(w['warm_ttft_s']['p95'], ' ms', 1000)} |",
+                  f"| parked | {_fmt(w['parked_ttft_s']['median'], ' ms', 1000)} | "
+                  f"{_fmt(w['parked_ttft_s']['p95'], ' ms', 1000)} |",
+                  f"| stopped (cold) | {_fmt(w['cold_ttft_s']['median'], ' ms', 1000)} | "
+                  f"{_fmt(w['cold_ttft_s']['p95'], ' ms', 1000)} |", "",
+                  f"Wake / cold start: {_fmt(w['wake_over_cold'], digits=3)}.", ""]
+    if "systemone" in report:
+        s = report["systemone"]
+        lines += ["## /v1/systemone", ""]
+        if s.get("supported"):
+            lines += [f"Latency median {_fmt(s['latency_s']['median'], ' ms', 1000)}, "
+                      f"p95 {_fmt(s['latency_s']['p95'], ' ms', 1000)} ({s['latency_s']['n']} requests).", ""]
+        else:
+            lines += [f"Not served for this model (HTTP {s.get('status')}).", ""]
+    return "\n".join(lines)
+
+
+def write_charts(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """PNG charts when matplotlib is importable; an empty list otherwise."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    written = []
+    if report.get("prompt_sweep"):
+        xs = [p["prompt_tokens"] or p["target_tokens"] for p in report["prompt_sweep"]]
+        ys = [p["prompt_tokens_per_s"]["median"] or 0 for p in report["prompt_sweep"]]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(xs, ys, marker="o")
+        ax.set(xscale="log", xlabel="prompt tokens", ylabel="prompt tokens/s", title="Prompt processing")
+        written.append(out_dir / "prompt_sweep.png")
+        fig.savefig(written[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    if report.get("concurrency"):
+        xs = [p["streams"] for p in report["concurrency"]]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(xs, [p["aggregate_tokens_per_s"] or 0 for p in report["concurrency"]], marker="o")
+        ax.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="Concurrency")
+        written.append(out_dir / "concurrency.png")
+        fig.savefig(written[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    if report.get("wake"):
+        w = report["wake"]
+        labels = ["ready", "parked", "stopped"]
+        values = [(w[k]["median"] or 0) * 1000 for k in ("warm_ttft_s", "parked_ttft_s", "cold_ttft_s")]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.bar(labels, values)
+        ax.set(ylabel="first token (ms)", title="Wake against cold start")
+        written.append(out_dir / "wake.png")
+        fig.savefig(written[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
+    return written
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "report.md").write_text(render_markdown(report) + "\n")
+    return [out_dir / "report.json", out_dir / "report.md", *write_charts(report, out_dir)]
+
+
+# ---------------------------------------------------------------- command line
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} needs positive integers")
+    return values
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="capyctl-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default=os.environ.get("CAPYCTL_BASE_URL", "http://127.0.0.1:8000"),
+                        help="the OpenAI-compatible endpoint (default $CAPYCTL_BASE_URL or http://127.0.0.1:8000)")
+    parser.add_argument("--api-key", default=os.environ.get("CAPYCTL_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                        help="API key (default $CAPYCTL_API_KEY, then $OPENAI_API_KEY)")
+    parser.add_argument("--model", required=True, help="model (deployment or alias) to measure")
+    parser.add_argument("--out", default="capyctl-bench-report", help="directory for report.json, report.md, charts")
+    parser.add_argument("--runs", type=int, default=5, help="repetitions of each single-stream measurement")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per single stream")
+    parser.add_argument("--prompt-lengths", type=_int_list, default=DEFAULT_PROMPT_LENGTHS,
+                        help="prompt sweep, in tokens (default 16,32,64,128,256,512)")
+    parser.add_argument("--concurrency", type=_int_list, default=DEFAULT_CONCURRENCY,
+                        help="concurrent stream counts (default 1,2,4,8)")
+    parser.add_argument("--concurrency-tokens", type=int, default=32, help="tokens per concurrent stream")
+    parser.add_argument("--api-socket", help="CapyCTL management API socket, to measure wake against cold start")
+    parser.add_argument("--capyctl", help="capyctl command, to park and stop through the CLI instead of the socket")
+    parser.add_argument("--deployment", help="deployment to park and stop (default: the model)")
+    parser.add_argument("--wake-runs", type=int, default=3)
+    parser.add_argument("--systemone-runs", type=int, default=10)
+    parser.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {','.join(SECTIONS)}")
+    parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    return parser
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    skip = frozenset(s.strip() for s in args.skip.split(",") if s.strip())
+    unknown = skip - set(SECTIONS)
+    if unknown:
+        print(f"capyctl-bench: unknown section(s) {', '.join(sorted(unknown))}; known: {', '.join(SECTIONS)}",
+              file=sys.stderr)
+        return 2
+    endpoint = Endpoint(args.base_url, args.model, args.api_key, timeout=args.timeout)
+    config = BenchConfig(runs=args.runs, max_tokens=args.max_tokens, prompt_lengths=args.prompt_lengths,
+                         concurrency=args.concurrency, concurrency_tokens=args.concurrency_tokens,
+                         wake_runs=args.wake_runs, systemone_runs=args.systemone_runs,
+                         ignore_eos=not args.no_ignore_eos, deployment=args.deployment, skip=skip)
+    control = None
+    if args.api_socket or args.capyctl:
+        control = Control(api_socket=args.api_socket, cli=args.capyctl.split() if args.capyctl else None)
+    try:
+        report = run_benchmark(endpoint, config, control=control,
+                               log=lambda m: print(f"capyctl-bench: {m}", file=sys.stderr))
+    except BenchError as exc:
+        print(f"capyctl-bench: {exc}", file=sys.stderr)
+        return 1
+    paths = write_report(report, Path(args.out))
+    print(render_markdown(report))
+    print(f"capyctl-bench: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
