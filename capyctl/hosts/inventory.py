@@ -1,0 +1,227 @@
+"""What a host has: its GPUs through NVML (``import pynvml``, from nvidia-ml-py), its RAM and CPUs.
+
+A host where NVML cannot start (no driver, no library, nvidia-ml-py missing) is a CPU host: its
+inventory has no GPUs and says why in ``nvml_error``. Each GPU process is mapped to the CapyCTL
+deployment whose unit holds it, through ``/proc/<pid>/cgroup``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterable
+
+from ..config import deployment_from_unit
+from ..errors import CapyError, InvalidRequest
+from ..scheduler import GpuCard, HostResources
+
+DEFAULT_PROC = Path("/proc")
+# Device nodes every CUDA process needs besides its cards' own /dev/nvidia<minor>.
+SHARED_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
+_UNIT_IN_CGROUP = re.compile(r"(?:^|/)(capyctl-[^/]+\.service)(?:/|$)")
+
+
+class NvmlUnavailable(CapyError):
+    """NVML could not be used on this host (no NVIDIA driver or library): it has no usable GPU."""
+
+    code = "nvml_unavailable"
+    status = 503
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process using a GPU, and the deployment whose unit it runs in (None: not CapyCTL's)."""
+
+    pid: int
+    used_memory: int | None  # bytes; None where the driver does not say
+    unit: str | None = None
+    deployment: str | None = None
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as NVML reports it. Memory in bytes."""
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+    memory_free: int
+    memory_used: int
+    minor_number: int | None = None
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True)
+class HostInventory:
+    """A host's GPUs, RAM (bytes, from /proc/meminfo) and CPUs (those this service may run on).
+    ``nvml_error`` says why a host has no GPU list (None when NVML answered)."""
+
+    hostname: str
+    gpus: list[GpuInfo] = field(default_factory=list)
+    ram_total: int = 0
+    ram_available: int = 0
+    cpu_count: int = 0
+    nvml_error: str | None = None
+
+    @property
+    def is_cpu_host(self) -> bool:
+        return not self.gpus
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """The JSON ``capyctl host-info --json`` prints."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def resources(self, ram_reserve: int = 0) -> HostResources:
+        """The scheduler's view of this host: its cards by model and memory, its RAM less ``ram_reserve``."""
+        return HostResources(self.hostname, self.ram_total, ram_reserve,
+                             tuple(GpuCard(g.index, g.name, g.memory_total) for g in self.gpus))
+
+
+def gpu_inventory(proc_root: str | Path = DEFAULT_PROC) -> list[GpuInfo]:
+    """Every GPU NVML sees, with its processes mapped to deployments. Raises ``NvmlUnavailable``."""
+    nvml = _nvml()
+    _call(nvml, nvml.nvmlInit)
+    try:
+        gpus = []
+        for index in range(_call(nvml, nvml.nvmlDeviceGetCount)):
+            handle = _call(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
+            memory = _call(nvml, nvml.nvmlDeviceGetMemoryInfo, handle)
+            gpus.append(GpuInfo(
+                index=index,
+                uuid=_text(_call(nvml, nvml.nvmlDeviceGetUUID, handle)),
+                name=_text(_call(nvml, nvml.nvmlDeviceGetName, handle)),
+                memory_total=int(memory.total), memory_free=int(memory.free), memory_used=int(memory.used),
+                minor_number=_optional(nvml, nvml.nvmlDeviceGetMinorNumber, handle),
+                processes=tuple(_processes(nvml, handle, Path(proc_root))),
+            ))
+        return gpus
+    finally:
+        _shutdown(nvml)
+
+
+def host_inventory(proc_root: str | Path = DEFAULT_PROC) -> HostInventory:
+    """This host's inventory; a host without NVML is a CPU host with ``nvml_error`` set."""
+    try:
+        gpus, error = gpu_inventory(proc_root), None
+    except NvmlUnavailable as exc:
+        gpus, error = [], exc.message
+    total, available = _meminfo(Path(proc_root) / "meminfo")
+    return HostInventory(hostname=socket.gethostname(), gpus=gpus, ram_total=total, ram_available=available,
+                         cpu_count=len(os.sched_getaffinity(0)), nvml_error=error)
+
+
+def device_nodes(indices: Iterable[int]) -> list[str]:
+    """The device nodes a unit needs to use the GPUs ``indices`` (for its DeviceAllow=):
+    ``/dev/nvidia<minor>`` of each, then /dev/nvidiactl and /dev/nvidia-uvm."""
+    wanted = list(indices)
+    nvml = _nvml()
+    _call(nvml, nvml.nvmlInit)
+    try:
+        count = _call(nvml, nvml.nvmlDeviceGetCount)
+        nodes = []
+        for index in wanted:
+            if not 0 <= index < count:
+                raise InvalidRequest(f"this host has no GPU {index} (it has {count})", code="unknown_gpu")
+            handle = _call(nvml, nvml.nvmlDeviceGetHandleByIndex, index)
+            nodes.append(f"/dev/nvidia{_call(nvml, nvml.nvmlDeviceGetMinorNumber, handle)}")
+        return nodes + list(SHARED_DEVICE_NODES)
+    finally:
+        _shutdown(nvml)
+
+
+def deployment_of_pid(pid: int, proc_root: str | Path = DEFAULT_PROC) -> tuple[str | None, str | None]:
+    """The CapyCTL unit and deployment a process runs in, from its cgroup path; (None, None) if
+    it is not in one, or it is gone, or it lives in another pid namespace."""
+    try:
+        text = (Path(proc_root) / str(pid) / "cgroup").read_text()
+    except OSError:
+        return None, None
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        match = _UNIT_IN_CGROUP.search(path)
+        if match:
+            unit = match.group(1)
+            return unit, deployment_from_unit(unit)
+    return None, None
+
+
+# -- internals -------------------------------------------------------------------------------------
+
+def _nvml() -> ModuleType:
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError as exc:
+        raise NvmlUnavailable(f"nvidia-ml-py is not installed ({exc}); this host is treated as a CPU host") from None
+
+
+def _is_nvml_error(nvml: ModuleType, exc: BaseException) -> bool:
+    base = getattr(nvml, "NVMLError", None)
+    return isinstance(base, type) and isinstance(exc, base)
+
+
+def _call(nvml: ModuleType, fn, *args):
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if _is_nvml_error(nvml, exc):
+            raise NvmlUnavailable(f"NVML: {exc} ({fn.__name__})") from None
+        raise
+
+
+def _optional(nvml: ModuleType, fn, *args):
+    """A value some GPUs do not report (NVML answers "Not Supported"): None then."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if _is_nvml_error(nvml, exc):
+            return None
+        raise
+
+
+def _shutdown(nvml: ModuleType) -> None:
+    try:
+        nvml.nvmlShutdown()
+    except Exception as exc:
+        if not _is_nvml_error(nvml, exc):
+            raise
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _processes(nvml: ModuleType, handle, proc_root: Path) -> list[GpuProcess]:
+    seen: dict[int, GpuProcess] = {}
+    for query in (nvml.nvmlDeviceGetComputeRunningProcesses, nvml.nvmlDeviceGetGraphicsRunningProcesses):
+        for proc in _optional(nvml, query, handle) or []:
+            pid = int(proc.pid)
+            if pid in seen:
+                continue
+            used = getattr(proc, "usedGpuMemory", None)
+            unit, deployment = deployment_of_pid(pid, proc_root)
+            seen[pid] = GpuProcess(pid, int(used) if used is not None else None, unit, deployment)
+    return list(seen.values())
+
+
+def _meminfo(path: Path) -> tuple[int, int]:
+    """MemTotal and MemAvailable in bytes."""
+    values: dict[str, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and key in ("MemTotal", "MemAvailable"):
+                values[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    except OSError as exc:
+        raise CapyError(f"cannot read {path}: {exc}", code="meminfo_unreadable") from None
+    return values.get("MemTotal", 0), values.get("MemAvailable", 0)
