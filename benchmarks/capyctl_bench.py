@@ -224,7 +224,10 @@ def summarize(values: Sequence[float]) -> dict[str, float | int | None]:
     if not xs:
         return {"n": 0, "median": None, "p95": None, "min": None, "max": None}
     p95 = statistics.quantiles(xs, n=20, method="inclusive")[-1] if len(xs) >= 2 else xs[0]
-    return {"n": len(xs), "median": statistics.median(xs), "p95": p95, "min": xs[0], "max": xs[-1]}
+    median = statistics.median(xs)
+    # Interpolation can round one ulp past the data ((x + x) / 2 > x); keep them within it.
+    median, p95 = min(max(median, xs[0]), xs[-1]), min(max(p95, median), xs[-1])
+    return {"n": len(xs), "median": median, "p95": p95, "min": xs[0], "max": xs[-1]}
 
 
 # ---------------------------------------------------------------- controlling CapyCTL
