@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from ..errors import CapyError, InvalidRequest, NotFound
+from ..errors import InvalidRequest, NotFound
 from ._model import (FULL_STATES, STATES, Domain, Footprint, HostResources, Plan, Request, gpu_domain,
                      ram_domain)
 

@@ -54,7 +54,8 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
     used victims, then the tightest fit (the least memory left over on its cards, keeping large
     holes for large models), then the earlier host and lower card indices.
 
-    ``now`` is only used to check that no candidate claims a use in the future.
+    ``now`` is part of the interface for rules that weigh idle time; the current rule orders
+    victims by ``last_used`` alone.
     Raises ``NoRoom`` (code ``no_room``) when no option works even after evicting every idle
     candidate, ``Conflict`` when the deployment is itself parking or stopping, and a
     ``CapyError`` with code ``ledger_out_of_sync`` when a candidate's state is not the ledger's.
@@ -167,9 +168,6 @@ def _check_candidates(deployment: str, ledger: Ledger, candidates: Iterable[Cand
             raise CapyError(f"deployment {c.deployment!r} is {c.state} for the controller but {placed.state} "
                             "in the memory ledger; every state change must reach the ledger",
                             code="ledger_out_of_sync", status=500)
-        if c.last_used > now:
-            raise InvalidRequest(f"deployment {c.deployment!r} was last used at {c.last_used}, after now ({now})",
-                                 code="invalid_candidate")
         activity[c.deployment] = c
     return activity
 
