@@ -1,0 +1,40 @@
+"""The CapyCTL proxy in a process of its own, in front of one engine (proxy_overhead's
+OneEngineRouter), so that a benchmark's client does not share the proxy's event loop — as
+nginx does not. Prints "ready PORT" on stdout once it listens; stops on SIGTERM.
+
+Run: .venv/bin/python benchmarks/_one_engine_proxy.py --upstream URL --launch-key K --client-key C --port P
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proxy_overhead import OneEngineRouter  # noqa: E402
+
+from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app, serve  # noqa: E402
+
+
+async def run(args: argparse.Namespace) -> None:
+    upstream = Upstream("smol", args.upstream, args.launch_key, "llama.cpp", frozenset({"chat"}))
+    runner = await serve(build_app(OneEngineRouter(upstream), StaticKeys({args.client_key: KeyGrant("bench")})),
+                         host_port=f"127.0.0.1:{args.port}")
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    print(f"ready {runner.addresses[0][1]}", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", required=True)
+    parser.add_argument("--launch-key", required=True)
+    parser.add_argument("--client-key", required=True)
+    parser.add_argument("--port", type=int, default=0)
+    asyncio.run(run(parser.parse_args()))
