@@ -34,8 +34,7 @@ def rig() -> Iterator[TwoHostRig]:
     reason = missing_requirements()
     if reason:
         pytest.skip(reason)
-    # Host a needs no systemd of its own here: the test process is the controller on host a.
-    with TwoHostRig(with_sandbox_a=False) as built:
+    with TwoHostRig() as built:
         yield built
 
 
@@ -85,6 +84,17 @@ async def test_runs_commands_on_b_with_its_host_key_verified(rig: TwoHostRig, co
         subprocess.run(["systemctl", "--version"], capture_output=True, text=True).stdout.split()[1])
     assert report["host_info"] is None  # capyctl is not on b's PATH
     assert report["latency_ms"] > 0
+
+
+def test_each_host_reaches_the_other_from_its_own_sandbox(rig: TwoHostRig) -> None:
+    # Plain ssh from inside each sandbox (its systemd, its /run), keys verified both ways.
+    for here, there in ((rig.a, rig.b), (rig.b, rig.a)):
+        proc = here.exec("ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+                         "-o", f"UserKnownHostsFile={rig.known_hosts}", "-i", str(rig.client_key),
+                         f"root@{there.address}", "systemctl", "is-active", "capyfed-sshd.service",
+                         "&&", "ip", "-o", "-4", "addr", "show", "dev", there.veth, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("active") and f"{there.address}/30" in proc.stdout
 
 
 async def test_remote_command_timeout(connected: SshHost) -> None:
@@ -143,17 +153,11 @@ async def test_drives_b_systemd_over_the_forwarded_bus(rig: TwoHostRig, connecte
     try:
         names = {u.name for u in await client.list_units("*.service")}
         assert "capyfed-sshd.service" in names  # b's sshd: this is b's systemd, not ours
-        await client.start_transient(TransientUnit(
-            name=unit, description="ssh federation probe", argv=["/bin/sleep", "300"], environment={},
-            environment_file=None, working_directory="/", memory_max=None, memory_high=None, cpu_quota=None,
-            tasks_max=None, devices=[], markers={}))
-        state = None
-        for _ in range(100):
-            state = await client.unit_state(unit)
-            if state is not None and state.active_state == "active":
-                break
-            await asyncio.sleep(0.1)
+        await client.start_transient(TransientUnit(name=unit, description="ssh federation probe",
+                                                   argv=["/bin/sleep", "300"], markers={"probe": "ssh"}))
+        state = await client.unit_state(unit)
         assert state is not None and state.active_state == "active"
+        assert state.markers == {"probe": "ssh"}
         # Seen from b itself, not only through our connection.
         shown = rig.b.exec("systemctl", "is-active", unit, check=False).stdout.strip()
         assert shown == "active"
