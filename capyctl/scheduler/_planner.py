@@ -85,12 +85,21 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
     best: tuple[_Option, list[_Item], dict[str, int]] | None = None
     eligible_by_host: dict[str, list[tuple[Candidate, dict[str, int]]]] = {}
     host_rank = {h: i for i, h in enumerate(ledger.hosts)}
+    # Per domain, the most it could offer: what is free plus all that evictable deployments hold.
+    # Options with a domain that cannot reach its need are skipped before any search (on a host
+    # with many cards most combinations fail this way).
+    ceiling: dict[str, int] = {}
     for option in options:
-        needs = _needs(ledger, request, option)
-        avail = {dom: _available(ledger, own if parked_here else None, dom, need) for dom, need in needs.items()}
-        short = [dom for dom, need in needs.items() if need > avail[dom]]
         if option.host not in eligible_by_host:
             eligible_by_host[option.host] = _eligible(ledger, option.host, activity)
+            for _, held in eligible_by_host[option.host]:
+                for dom, amount in held.items():
+                    ceiling[dom] = ceiling.get(dom, 0) + amount
+        needs = _needs(ledger, request, option)
+        avail = {dom: _available(ledger, own if parked_here else None, dom, need) for dom, need in needs.items()}
+        if any(avail[dom] + ceiling.get(dom, 0) < need for dom, need in needs.items()):
+            continue
+        short = [dom for dom, need in needs.items() if need > avail[dom]]
         items = sorted(
             (_Item(c.last_used, c.deployment, tuple(held.get(dom, 0) for dom in short))
              for c, held in eligible_by_host[option.host]),
