@@ -1,0 +1,242 @@
+"""What a transient engine unit is, and how it becomes systemd D-Bus properties.
+
+Pure code, no bus: the property list is tested on any host.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from dbus_fast import Variant
+
+from capyctl.config import SLICE
+from capyctl.errors import SystemdError
+
+MARKER_PREFIX = "CAPYCTL_MARKER_"
+_MARKER_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]{1,250}\.service$")
+# ${NAME} stays a systemd expansion (secrets from EnvironmentFile); any other "$" is literal.
+_BRACED_REF = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
+
+# NVIDIA control nodes every CUDA process opens besides its /dev/nvidiaN.
+GPU_CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+# Address families a model server uses: loopback TCP, unix sockets (NCCL, tokenizer
+# workers), netlink (interface discovery in NCCL/gloo).
+_ADDRESS_FAMILIES = ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]
+
+
+@dataclass
+class TransientUnit:
+    """One engine launch as a transient systemd service.
+
+    ``argv`` is passed to systemd literally except that ``${NAME}`` is expanded by
+    systemd from ``environment``/``environment_file`` (so a secret can be given on the
+    command line without showing in ``systemctl show``); a bare ``$`` stays a ``$``.
+    """
+
+    name: str
+    description: str
+    argv: list[str]
+    environment: dict[str, str] = field(default_factory=dict)
+    environment_file: str | None = None
+    working_directory: str | None = None
+    slice: str = SLICE
+    memory_max: int | None = None
+    memory_high: int | None = None
+    cpu_quota: float | None = None  # in cores: 1.5 = 150 % of one CPU
+    allowed_cpus: str | None = None  # "0-3,6"
+    tasks_max: int | None = None
+    devices: list[str] = field(default_factory=list)  # /dev/nvidiaN nodes
+    markers: dict[str, str] = field(default_factory=dict)
+    # Paths the engine writes (caches, model dir while downloading); all else is read-only.
+    read_write_paths: list[str] = field(default_factory=list)
+    user: str | None = None
+    group: str | None = None
+    hardening: bool = True
+    # KillMode=mixed: SIGTERM to the main process, SIGKILL to stragglers after the timeout.
+    stop_timeout: float = 30.0
+
+    def validate(self) -> None:
+        if not _UNIT_NAME.match(self.name):
+            raise SystemdError(f"'{self.name}' is not a valid service unit name.", code="invalid_unit")
+        if not self.argv or not self.argv[0].startswith("/"):
+            raise SystemdError("The command of a unit must start with an absolute path.",
+                               code="invalid_unit")
+        for key in self.environment:
+            if not _ENV_NAME.match(key):
+                raise SystemdError(f"'{key}' is not a valid environment variable name.",
+                                   code="invalid_unit")
+        for key in self.markers:
+            if not _MARKER_KEY.match(key):
+                raise SystemdError(f"Marker key '{key}' must be lower snake_case.", code="invalid_unit")
+        if self.environment_file is not None and not self.environment_file.startswith("/"):
+            raise SystemdError("The environment file must be an absolute path.", code="invalid_unit")
+        for dev in self.devices:
+            if not dev.startswith("/dev/"):
+                raise SystemdError(f"Device '{dev}' is not a /dev node.", code="invalid_unit")
+        if self.cpu_quota is not None and self.cpu_quota <= 0:
+            raise SystemdError("cpu_quota must be a positive number of cores.", code="invalid_unit")
+        if self.allowed_cpus is not None:
+            parse_cpu_list(self.allowed_cpus)
+
+    def environment_entries(self) -> list[str]:
+        entries = [f"{k}={v}" for k, v in self.environment.items()]
+        entries += [f"{MARKER_PREFIX}{k.upper()}={v}" for k, v in self.markers.items()]
+        return entries
+
+    def properties(self) -> list[tuple[str, Variant]]:
+        """The a(sv) property list for StartTransientUnit."""
+        self.validate()
+        props: list[tuple[str, Variant]] = [
+            ("Description", Variant("s", self.description)),
+            ("Slice", Variant("s", self.slice)),
+            # exec: the start job fails when the binary cannot be executed, not later.
+            ("Type", Variant("s", "exec")),
+            ("ExecStart", Variant("a(sasb)", [[self.argv[0], [escape_dollars(a) for a in self.argv], False]])),
+            ("Environment", Variant("as", self.environment_entries())),
+            # CapyCTL owns the restart policy: a crash must surface to it, not be hidden.
+            ("Restart", Variant("s", "no")),
+            ("KillMode", Variant("s", "mixed")),
+            ("TimeoutStopUSec", Variant("t", int(self.stop_timeout * 1_000_000))),
+            ("MemoryAccounting", Variant("b", True)),
+            ("CPUAccounting", Variant("b", True)),
+            ("TasksAccounting", Variant("b", True)),
+            # Keep a failed unit loaded so its result and journal can be read.
+            ("CollectMode", Variant("s", "inactive")),
+        ]
+        if self.environment_file:
+            props.append(("EnvironmentFiles", Variant("a(sb)", [[self.environment_file, False]])))
+        if self.working_directory:
+            props.append(("WorkingDirectory", Variant("s", self.working_directory)))
+        if self.memory_max is not None:
+            props.append(("MemoryMax", Variant("t", self.memory_max)))
+        if self.memory_high is not None:
+            props.append(("MemoryHigh", Variant("t", self.memory_high)))
+        if self.cpu_quota is not None:
+            props.append(("CPUQuotaPerSecUSec", Variant("t", int(self.cpu_quota * 1_000_000))))
+        if self.allowed_cpus is not None:
+            mask = cpu_mask(parse_cpu_list(self.allowed_cpus))
+            # AllowedCPUs is the cgroup v2 cpuset; CPUAffinity also binds on cgroup v1.
+            props.append(("AllowedCPUs", Variant("ay", mask)))
+            props.append(("CPUAffinity", Variant("ay", mask)))
+        if self.tasks_max is not None:
+            props.append(("TasksMax", Variant("t", self.tasks_max)))
+        if self.user:
+            props.append(("User", Variant("s", self.user)))
+        if self.group:
+            props.append(("Group", Variant("s", self.group)))
+        if self.devices:
+            allowed = list(dict.fromkeys([*self.devices, *GPU_CONTROL_DEVICES]))
+            props.append(("DevicePolicy", Variant("s", "closed")))
+            props.append(("DeviceAllow", Variant("a(ss)", [[d, "rw"] for d in allowed])))
+        if self.hardening:
+            props += self._hardening()
+        return props
+
+    def _hardening(self) -> list[tuple[str, Variant]]:
+        props = [
+            ("NoNewPrivileges", Variant("b", True)),
+            ("ProtectSystem", Variant("s", "strict")),
+            ("ProtectHome", Variant("s", "read-only")),
+            ("PrivateTmp", Variant("b", True)),
+            ("ProtectKernelTunables", Variant("b", True)),
+            ("ProtectKernelModules", Variant("b", True)),
+            ("ProtectKernelLogs", Variant("b", True)),
+            ("ProtectControlGroups", Variant("b", True)),
+            ("ProtectClock", Variant("b", True)),
+            ("ProtectHostname", Variant("b", True)),
+            ("ProtectProc", Variant("s", "invisible")),
+            ("RestrictSUIDSGID", Variant("b", True)),
+            ("RestrictRealtime", Variant("b", True)),
+            ("RestrictNamespaces", Variant("t", 0)),  # the set of namespaces allowed: none
+            ("LockPersonality", Variant("b", True)),
+            ("RemoveIPC", Variant("b", True)),
+            ("KeyringMode", Variant("s", "private")),
+            ("UMask", Variant("u", 0o077)),
+            ("CapabilityBoundingSet", Variant("t", 0)),
+            ("AmbientCapabilities", Variant("t", 0)),
+            ("SystemCallArchitectures", Variant("as", ["native"])),
+            # Allow-list of the syscalls ordinary services make; @resources covers the
+            # NUMA calls (mbind, set_mempolicy) that CUDA and PyTorch use.
+            ("SystemCallFilter", Variant("(bas)", [True, ["@system-service", "@resources"]])),
+            ("SystemCallErrorNumber", Variant("i", 1)),  # EPERM instead of a kill
+            ("RestrictAddressFamilies", Variant("(bas)", [True, _ADDRESS_FAMILIES])),
+        ]
+        if not self.devices:
+            # Without a GPU the engine needs no device nodes beyond /dev/null and friends.
+            props.append(("PrivateDevices", Variant("b", True)))
+        if self.read_write_paths:
+            props.append(("ReadWritePaths", Variant("as", list(self.read_write_paths))))
+        return props
+
+
+def escape_dollars(arg: str) -> str:
+    """Make every '$' literal for systemd except ${NAME} references."""
+    out, pos = [], 0
+    for match in _BRACED_REF.finditer(arg):
+        out.append(arg[pos:match.start()].replace("$", "$$"))
+        out.append(match.group(0))
+        pos = match.end()
+    out.append(arg[pos:].replace("$", "$$"))
+    return "".join(out)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,6' -> [0, 1, 2, 3, 6]."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if lo > hi or lo < 0:
+                    raise ValueError(part)
+                cpus.update(range(lo, hi + 1))
+            else:
+                cpu = int(part)
+                if cpu < 0:
+                    raise ValueError(part)
+                cpus.add(cpu)
+    except ValueError:
+        raise SystemdError(f"'{text}' is not a CPU list like '0-3,6'.", code="invalid_unit") from None
+    if not cpus:
+        raise SystemdError("The CPU list is empty.", code="invalid_unit")
+    return sorted(cpus)
+
+
+def cpu_mask(cpus: list[int]) -> bytes:
+    """systemd's CPU set wire format: byte i, bit j stands for CPU 8*i + j."""
+    mask = bytearray(max(cpus) // 8 + 1)
+    for cpu in cpus:
+        mask[cpu // 8] |= 1 << (cpu % 8)
+    return bytes(mask)
+
+
+def markers_from_environment(entries: list[str]) -> dict[str, str]:
+    markers = {}
+    for entry in entries:
+        key, sep, value = entry.partition("=")
+        if sep and key.startswith(MARKER_PREFIX):
+            markers[key[len(MARKER_PREFIX):].lower()] = value
+    return markers
+
+
+def bus_path_escape(label: str) -> str:
+    """systemd's object path label escaping (sd_bus_path_encode)."""
+    if not label:
+        return "_"
+    out = []
+    for i, ch in enumerate(label):
+        if ch.isascii() and (ch.isalpha() or (ch.isdigit() and i > 0)):
+            out.append(ch)
+        else:
+            out.extend(f"_{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
+def unit_object_path(name: str) -> str:
+    return "/org/freedesktop/systemd1/unit/" + bus_path_escape(name)

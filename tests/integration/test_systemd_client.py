@@ -1,0 +1,314 @@
+"""SystemdClient against a real systemd 252 booted as PID 1 in a sandbox, over D-Bus."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from capyctl.errors import SystemdError
+from capyctl.systemd import (SystemdClient, TransientUnit, UnitState, failure_reason, journal_follow,
+                             journal_tail, security_exposure)
+from tests.sandbox.sandbox import Sandbox
+
+pytestmark = pytest.mark.sandbox
+
+PYTHON = sys.executable  # the project venv: visible inside the sandbox, like all of /work
+MiB = 1 << 20
+
+
+async def connect(sb: Sandbox) -> SystemdClient:
+    return await SystemdClient.connect(sb.bus_address, fs_root=sb.root)
+
+
+def python_unit(name: str, code: str, **kw: object) -> TransientUnit:
+    return TransientUnit(
+        name=name, description=f"CapyCTL test unit {name}",
+        argv=[PYTHON, "-u", "-c", textwrap.dedent(code)], **kw)  # type: ignore[arg-type]
+
+
+async def wait_for_line(unit: str, sb: Sandbox, text: str, timeout: float = 20) -> list[str]:
+    """Follow the unit's journal until a line containing ``text`` appears."""
+    seen: list[str] = []
+
+    async def follow() -> None:
+        async with contextlib.aclosing(journal_follow(unit, lines=100, command_prefix=sb.command([]))) as lines:
+            async for line in lines:
+                seen.append(line)
+                if text in line:
+                    return
+
+    await asyncio.wait_for(follow(), timeout)
+    return seen
+
+
+async def wait_for_state(client: SystemdClient, name: str, active_state: str,
+                         timeout: float = 30) -> UnitState:
+    async def watch() -> UnitState:
+        async with contextlib.aclosing(client.watch(name)) as states:
+            async for state in states:
+                if state.active_state == active_state:
+                    return state
+        raise AssertionError(f"{name} was unloaded before it was {active_state}")
+
+    return await asyncio.wait_for(watch(), timeout)
+
+
+async def test_memory_max_reads_back_from_dbus_and_cgroup(sandbox: Sandbox) -> None:
+    client = await connect(sandbox)
+    try:
+        unit = TransientUnit(name="capyctl-memmax.service", description="CapyCTL deployment memmax (rev 1, custom)",
+                             argv=["/bin/sleep", "300"], memory_max=100 * MiB, tasks_max=64,
+                             markers={"deployment": "memmax"})
+        state = await client.start_transient(unit)
+        assert state.active_state == "active"
+        assert state.memory_max == 100 * MiB
+        limit = client.cgroup_file(state, "memory", "memory.limit_in_bytes").read_text()
+        assert int(limit) == 100 * MiB
+        assert (await client.memory_current(unit.name) or 0) > 0
+        show = sandbox.systemctl("show", unit.name, "-p", "MemoryMax,Slice,Restart").stdout
+        assert "MemoryMax=104857600" in show and "Slice=capyctl.slice" in show and "Restart=no" in show
+
+        final = await client.stop_unit(unit.name, timeout=10)
+        assert final is None or final.active_state == "inactive"
+        assert await client.unit_state(unit.name) is None  # a cleanly stopped transient unit is gone
+    finally:
+        await client.close()
+
+
+async def test_oom_kill_is_out_of_memory_and_watch_sees_active_then_failed(sandbox: Sandbox) -> None:
+    client = await connect(sandbox)
+    name = "capyctl-hog.service"
+    try:
+        seen: list[UnitState] = []
+
+        async def watch_until_failed() -> None:
+            async with contextlib.aclosing(client.watch(name)) as states:
+                async for state in states:
+                    seen.append(state)
+                    if state.active_state == "failed":
+                        return
+
+        watcher = asyncio.create_task(watch_until_failed())
+        await asyncio.sleep(0.2)  # the watch registers its match before the unit exists
+        hog = python_unit(name, """
+            import time
+            blocks = []
+            while True:
+                blocks.append(bytearray(8 << 20))
+                print(f"allocated {len(blocks) * 8} MiB", flush=True)
+                time.sleep(0.01)
+            """, memory_max=64 * MiB)
+        await client.start_transient(hog)
+        await asyncio.wait_for(watcher, 60)
+
+        states = [s.active_state for s in seen]
+        assert "active" in states and states[-1] == "failed"
+        assert states.index("active") < states.index("failed")
+        # One entry per change: the watch yields on signals, it does not repeat a state.
+        assert all(a != b for a, b in zip(seen, seen[1:]))
+
+        failed = seen[-1]
+        print(f"\nOOM on cgroup v1: Result={failed.result} ExecMainCode={failed.exec_main_code} "
+              f"ExecMainStatus={failed.exec_main_status}")
+        assert failure_reason(failed) == "out_of_memory"
+        lines = await journal_tail(name, 20, command_prefix=sandbox.command([]))
+        assert any(line.startswith("allocated ") for line in lines), lines
+    finally:
+        await client.close()
+
+
+async def test_plain_exit_code_and_sigkill_without_limit_are_not_oom(sandbox: Sandbox) -> None:
+    client = await connect(sandbox)
+    try:
+        await client.start_transient(python_unit("capyctl-exit3.service", "import sys; sys.exit(3)"))
+        killed = python_unit("capyctl-killed.service", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+        await client.start_transient(killed)
+        states = {}
+        for name in ("capyctl-exit3.service", "capyctl-killed.service"):
+            states[name] = await wait_for_state(client, name, "failed")
+        assert failure_reason(states["capyctl-exit3.service"]) == "exit_code"
+        assert states["capyctl-exit3.service"].exec_main_status == 3
+        assert failure_reason(states["capyctl-killed.service"]) == "signal"
+    finally:
+        await client.close()
+
+
+async def test_secret_from_environment_file_reaches_process_not_systemctl_show(sandbox: Sandbox) -> None:
+    secret = "sk-capy-" + os.urandom(12).hex()
+    # The sandbox's own /run (a tmpfs) as the host sees it: the unit reads the same file.
+    secrets_dir = sandbox.root / "run" / "capyctl-secrets"
+    secrets_dir.mkdir(mode=0o700)
+    env_file = secrets_dir / "secret.env"
+    env_file.write_text(f"CAPYCTL_ENGINE_KEY={secret}\n")
+    env_file.chmod(0o600)
+    name = "capyctl-secret.service"
+    unit = TransientUnit(
+        name=name, description="CapyCTL deployment secret (rev 1, custom)",
+        argv=["/bin/sh", "-c", 'echo "argv=$1"; echo "env=$CAPYCTL_ENGINE_KEY"; exec sleep 300',
+              "sh", "${CAPYCTL_ENGINE_KEY}"],
+        environment={"CAPYCTL_PUBLIC": "visible"},
+        environment_file="/run/capyctl-secrets/secret.env")
+    client = await connect(sandbox)
+    try:
+        await client.start_transient(unit)
+        lines = await wait_for_line(name, sandbox, "env=")
+        assert f"argv={secret}" in lines and f"env={secret}" in lines
+        shown = sandbox.systemctl("show", name).stdout
+        assert "CAPYCTL_PUBLIC=visible" in shown  # the check below would catch a leak
+        assert secret not in shown
+        # --lines=0: status would otherwise quote the journal, where this test echoed the key.
+        assert secret not in sandbox.systemctl("status", "--lines=0", name).stdout
+        await client.stop_unit(name, timeout=10)
+    finally:
+        await client.close()
+
+
+async def test_list_units_finds_units_with_markers(sandbox: Sandbox) -> None:
+    client = await connect(sandbox)
+    try:
+        for deployment, revision in (("alpha", "1"), ("beta", "7")):
+            await client.start_transient(TransientUnit(
+                name=f"capyctl-{deployment}.service",
+                description=f"CapyCTL deployment {deployment} (rev {revision}, custom)",
+                argv=["/bin/sleep", "300"],
+                markers={"deployment": deployment, "revision": revision, "launch_id": f"L-{deployment}"}))
+        # A unit of someone else that the pattern must leave out.
+        sandbox.run(["systemd-run", "--unit=other-thing.service", "/bin/sleep", "300"], check=True)
+
+        units = await client.list_units()
+        assert [u.name for u in units] == ["capyctl-alpha.service", "capyctl-beta.service"]
+        beta = units[1]
+        assert beta.markers == {"deployment": "beta", "revision": "7", "launch_id": "L-beta"}
+        assert beta.description == "CapyCTL deployment beta (rev 7, custom)"
+        assert beta.control_group == "/capyctl.slice/capyctl-beta.service"
+        assert beta.main_pid > 0
+    finally:
+        await client.close()
+
+
+async def test_start_refuses_running_unit_and_resets_failed_leftover(sandbox: Sandbox) -> None:
+    client = await connect(sandbox)
+    name = "capyctl-again.service"
+    try:
+        await client.start_transient(TransientUnit(name=name, description="d", argv=["/bin/sleep", "300"]))
+        with pytest.raises(SystemdError) as refused:
+            await client.start_transient(TransientUnit(name=name, description="d", argv=["/bin/sleep", "300"]))
+        assert refused.value.code == "unit_exists"
+
+        sandbox.systemctl("kill", "--signal=SIGKILL", name)
+        await wait_for_state(client, name, "failed")
+        again = await client.start_transient(TransientUnit(name=name, description="d", argv=["/bin/sleep", "300"]))
+        assert again.active_state == "active"
+
+        with pytest.raises(SystemdError) as missing:
+            await client.start_transient(TransientUnit(name="capyctl-nobinary.service", description="d",
+                                                       argv=["/nonexistent/engine"]))
+        assert missing.value.code == "start_failed"
+    finally:
+        await client.close()
+
+
+async def test_stop_unit_escalates_to_sigkill(sandbox: Sandbox) -> None:
+    client = await connect(sandbox)
+    name = "capyctl-stubborn.service"
+    try:
+        await client.start_transient(TransientUnit(
+            name=name, description="ignores SIGTERM", stop_timeout=120,
+            argv=["/bin/sh", "-c", "trap 'echo ignoring TERM' TERM; echo ready; while :; do sleep 0.1; done"]))
+        await wait_for_line(name, sandbox, "ready")
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await client.stop_unit(name, timeout=1.0)
+        # Not a speed check: without the SIGKILL, systemd would wait TimeoutStopSec=120.
+        assert loop.time() - began < 60
+        state = await client.unit_state(name)
+        assert state is None or not state.is_running
+    finally:
+        await client.close()
+
+
+CREATOR = """
+import asyncio, sys
+from capyctl.systemd import SystemdClient, TransientUnit
+
+async def main():
+    client = await SystemdClient.connect()  # the sandbox's own system bus
+    await client.start_transient(TransientUnit(
+        name="capyctl-survivor.service", description="CapyCTL deployment survivor (rev 2, custom)",
+        argv=["/bin/sleep", "300"], markers={"deployment": "survivor", "revision": "2"}))
+    print("started", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_unit_survives_sigkill_of_its_creator(sandbox: Sandbox) -> None:
+    creator = sandbox.popen([PYTHON, "-c", CREATOR], cwd=str(Path(__file__).resolve().parents[2]),
+                            stdout=__import__("subprocess").PIPE, text=True)
+    try:
+        assert creator.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(creator.stdout.readline), 30)
+        assert line.strip() == "started"
+        creator_pid = Sandbox.command_pid(creator)
+        os.kill(creator_pid, signal.SIGKILL)  # the daemon dies hard
+        await asyncio.wait_for(asyncio.to_thread(creator.wait), 10)
+        assert not Path(f"/proc/{creator_pid}").exists()
+
+        client = await connect(sandbox)  # a new daemon adopts what it finds
+        try:
+            [unit] = await client.list_units()
+            assert unit.name == "capyctl-survivor.service"
+            assert unit.active_state == "active"
+            assert unit.markers == {"deployment": "survivor", "revision": "2"}
+            await client.stop_unit(unit.name, timeout=10)
+        finally:
+            await client.close()
+    finally:
+        if creator.poll() is None:
+            creator.kill()
+            creator.wait()
+
+
+async def test_two_sandboxes_have_separate_managers(sandbox_factory) -> None:
+    first, second = sandbox_factory(), sandbox_factory()
+    assert first.pid != second.pid
+    one, two = await connect(first), await connect(second)
+    try:
+        name = "capyctl-twin.service"
+        await one.start_transient(TransientUnit(name=name, description="d", argv=["/bin/sleep", "300"],
+                                                markers={"deployment": "one"}))
+        await two.start_transient(TransientUnit(name=name, description="d", argv=["/bin/sleep", "300"],
+                                                markers={"deployment": "two"}))
+        assert (await one.unit_state(name)).markers == {"deployment": "one"}  # type: ignore[union-attr]
+        assert (await two.unit_state(name)).markers == {"deployment": "two"}  # type: ignore[union-attr]
+        await one.stop_unit(name, timeout=10)
+        assert await one.unit_state(name) is None
+        assert (await two.unit_state(name)).active_state == "active"  # type: ignore[union-attr]
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_engine_unit_hardening_exposure(sandbox: Sandbox) -> None:
+    client = await connect(sandbox)
+    name = "capyctl-hardened.service"
+    try:
+        await client.start_transient(TransientUnit(
+            name=name, description="CapyCTL deployment hardened (rev 1, custom)",
+            argv=[PYTHON, "-c", "import time; print('up', flush=True); time.sleep(300)"],
+            memory_max=256 * MiB, cpu_quota=1.0, tasks_max=256))
+        # The hardening must not stop a real Python process from running.
+        await wait_for_line(name, sandbox, "up")
+        exposure, verdict = await security_exposure(name, command_prefix=sandbox.command([]))
+        print(f"\nsystemd-analyze security {name}: {exposure} {verdict}")
+        assert exposure < 3.0, verdict
+    finally:
+        await client.close()
