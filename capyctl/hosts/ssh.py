@@ -196,7 +196,9 @@ class SshHost:
         """Run argv on the host (quoted for the remote shell) through the master; (rc, stdout, stderr).
 
         rc 255 is ssh's own failure (connection lost). Raises SshError remote_timeout when the
-        command outlives ``timeout`` (the local ssh client is killed; the remote side gets a hangup).
+        command outlives ``timeout``: the local ssh client is killed and the session closed, but
+        without a terminal the remote command is not signalled; wrap it in ``timeout`` (coreutils)
+        or run it as a unit when it must not outlive the call.
         """
         if not argv:
             raise SshError("no command to run", code="invalid_request", status=400)
@@ -318,7 +320,13 @@ class SshHost:
             out, err = await asyncio.wait_for(proc.communicate(input), timeout)
         except asyncio.TimeoutError:
             proc.kill()  # the ssh client we started, by its own handle
-            await proc.wait()
+            # A multiplexed client hands its stdio to the master, which keeps our pipes open
+            # while the remote command runs: close our ends rather than wait for their EOF.
+            transport = getattr(proc, "_transport", None)
+            if transport is not None:
+                transport.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(proc.wait(), 10)
             return None, b"", b""
         return proc.returncode, out, err
 
