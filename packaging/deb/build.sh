@@ -58,6 +58,7 @@ Architecture: $ARCH
 Maintainer: CapyCTL maintainers <capyctl@localhost>
 Installed-Size: $installed_kib
 Depends: python3 (>= $PY_MINOR), python3 (<< $PY_NEXT), systemd, adduser
+Recommends: bash-completion
 Section: admin
 Priority: optional
 Description: runs more LLMs than a GPU machine can hold, behind one OpenAI endpoint
