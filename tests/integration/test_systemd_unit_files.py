@@ -1,0 +1,113 @@
+"""units/: the files a package installs, checked with systemd's own tools."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox.sandbox import Sandbox
+
+UNITS = Path(__file__).resolve().parents[2] / "units"
+STUB = Path(__file__).resolve().parents[2] / "tests" / "sandbox" / "socket_activation_stub.py"
+
+
+def test_sysusers_and_tmpfiles_create_user_and_directories(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: systemd-tmpfiles sets owners")
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    # --root keeps both tools out of the host's /etc, /var and /run.
+    subprocess.run(["systemd-sysusers", f"--root={root}", str(UNITS / "sysusers.d" / "capyctl.conf")],
+                   check=True, capture_output=True, text=True)
+    group = next(line for line in (root / "etc" / "group").read_text().splitlines()
+                 if line.startswith("capyctl:"))
+    gid = int(group.split(":")[2])
+    assert any(line.startswith("capyctl:") for line in (root / "etc" / "passwd").read_text().splitlines())
+
+    subprocess.run(["systemd-tmpfiles", "--create", f"--root={root}",
+                    str(UNITS / "tmpfiles.d" / "capyctl.conf")], check=True, capture_output=True, text=True)
+    state = (root / "var/lib/capyctl").stat()
+    assert stat.S_IMODE(state.st_mode) == 0o750 and state.st_gid == gid
+    assert stat.S_IMODE((root / "var/lib/capyctl/secrets").stat().st_mode) == 0o700
+    runtime = (root / "run/capyctl").stat()
+    assert stat.S_IMODE(runtime.st_mode) == 0o750 and runtime.st_gid == gid
+
+
+@pytest.fixture
+def netns():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    name = f"capyunit-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)
+
+
+def install_units(sb: Sandbox) -> None:
+    """Put units/ into the sandbox's /run/systemd/system with test drop-ins.
+
+    The drop-ins change only what cannot be real here: the daemon binary (a stub that
+    does the socket and notify protocol), and the capyctl group and state directory,
+    because the sandbox shares the host's /etc/group and /var and the test must not
+    add a group or a directory to the host.
+    """
+    target = sb.root / "run/systemd/system"
+    for unit in ("capyctl.service", "capyctl.socket", "capyctl-api.socket", "capyctl.slice"):
+        shutil.copy(UNITS / unit, target / unit)
+    (target / "capyctl.service.d").mkdir()
+    (target / "capyctl.service.d" / "test.conf").write_text(
+        "[Service]\nExecStart=\n"
+        f"ExecStart={sys.executable} {STUB}\n"
+        "Group=root\nStateDirectory=\n")
+    (target / "capyctl-api.socket.d").mkdir()
+    (target / "capyctl-api.socket.d" / "test.conf").write_text("[Socket]\nSocketGroup=root\n")
+    sb.run(["systemctl", "daemon-reload"], check=True)
+
+
+def ask(sb: Sandbox, family: str, address: str) -> str:
+    code = ("import socket,sys\n"
+            f"s=socket.socket(socket.{family}, socket.SOCK_STREAM)\n"
+            "s.settimeout(20)\n"
+            f"s.connect({address})\n"
+            "print(s.makefile().readline().strip())\n")
+    return sb.run([sys.executable, "-c", code], check=True).stdout.strip()
+
+
+@pytest.mark.sandbox
+def test_socket_activation_by_name_and_notify(sandbox_factory, netns: str) -> None:
+    # Its own network namespace: 127.0.0.1:8000 there is free whatever the host runs.
+    sb = sandbox_factory(netns=netns)
+    install_units(sb)
+    verify = sb.run(["systemd-analyze", "verify", "capyctl.socket", "capyctl-api.socket", "capyctl.slice"])
+    assert verify.returncode == 0, verify.stderr
+    sb.run(["systemctl", "start", "capyctl.socket", "capyctl-api.socket"], check=True)
+    api = sb.root / "run/capyctl/api.sock"
+    assert stat.S_ISSOCK(api.stat().st_mode) and stat.S_IMODE(api.stat().st_mode) == 0o660
+    assert sb.systemctl("is-active", "capyctl.service").stdout.strip() == "inactive"
+
+    # The first connection starts the daemon with both sockets, each under its name.
+    assert ask(sb, "AF_INET", "('127.0.0.1', 8000)") == "openai openai:api"
+    assert ask(sb, "AF_UNIX", "'/run/capyctl/api.sock'") == "api openai:api"
+    # Type=notify: active only because the stub sent READY=1.
+    assert sb.systemctl("is-active", "capyctl.service").stdout.strip() == "active"
+    shown = sb.systemctl("show", "capyctl.service", "-p", "Type,NotifyAccess").stdout
+    assert "Type=notify" in shown
+
+    analyze = sb.run(["systemd-analyze", "security", "--no-pager", "capyctl.service"])
+    overall = [line for line in analyze.stdout.splitlines() if "Overall exposure" in line]
+    print(f"\n{overall[0] if overall else analyze.stdout[-500:]}")
+    assert overall
+    exposure = float(overall[0].split(":")[-1].split()[0])
+    assert exposure < 5.0
