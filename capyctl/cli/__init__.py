@@ -285,7 +285,7 @@ def cmd_key_revoke(args) -> int:
 def _common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
     if json_flag:
         p.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    p.add_argument("--api-socket", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--api-socket", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -273,14 +273,12 @@ class DeploymentActor:
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=resolved.path)
         self.served_model = plan.served_model
         env_file = ctl.write_secret_env(self.name, plan.secret_file_environment(self.key))
-        environment = {**plan.environment, **self.spec.env,
-                       "CAPYCTL_DEPLOYMENT": self.name, "CAPYCTL_REVISION": str(self.revision.revision),
-                       "CAPYCTL_LAUNCH": self.launch_id, "CAPYCTL_PORT": str(self.port)}
+        environment = {**plan.environment, **self.spec.env}
         unit = TransientUnit(
             name=self.unit,
             description=f"CapyCTL deployment {self.name} (rev {self.revision.revision}, {engine.type})",
             argv=plan.argv, environment=environment, environment_file=str(env_file),
-            working_directory=str(ctl.paths.state_dir),
+            working_directory="/",  # engines need no cwd; state_dir may sit under a PrivateTmp path
             memory_max=self.spec.resources.ram, memory_high=None,
             cpu_quota=self.spec.resources.cpus, tasks_max=self.spec.resources.tasks_max, devices=[],
             markers={"deployment": self.name, "revision": str(self.revision.revision), "launch": self.launch_id,
@@ -304,7 +302,7 @@ class DeploymentActor:
         delay = 0.05
         while True:
             if self._unit_exited.is_set():
-                raise CapyError(f"the engine exited before it was healthy: {self.reason or 'see journal'}",
+                raise CapyError(f"the engine exited before it was healthy: {self.reason or 'see its journal'}",
                                 code=self.reason_code or "engine_exited")
             if await adapter.health(self.controller.http, base, self.key):
                 return
@@ -350,26 +348,26 @@ class DeploymentActor:
             self._watch_task = asyncio.create_task(self._watch(), name=f"watch:{self.name}")
 
     async def _watch(self) -> None:
+        from ..systemd import failure_message, failure_reason
         systemd = self.controller.systemd
         try:
             async for st in systemd.watch(self.unit):
                 if st.active_state in ("failed", "inactive"):
-                    self._unit_exited.set()
                     if not self._expect_exit:
-                        reason = systemd.failure_reason(st)
-                        self.submit("unit_exited", code=reason, state=st)
+                        self.reason_code = failure_reason(st)
+                        self.reason = f"{self.reason_code}: {failure_message(st)}"
+                        self.submit("unit_exited", code=self.reason_code, message=failure_message(st))
+                    self._unit_exited.set()
                     return
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("deployment %s: watching %s failed", self.name, self.unit)
 
-    async def _do_unit_exited(self, code: str, state: Any) -> None:
-        if self.state in (STOPPED, PARKED, STOPPING) and not self.parked_in_place:
+    async def _do_unit_exited(self, code: str, message: str) -> None:
+        if self.state == FAILED or (self.state in (STOPPED, PARKED, STOPPING) and not self.parked_in_place):
             return
-        detail = {"out_of_memory": "the engine ran out of memory (MemoryMax)",
-                  }.get(code, f"the engine's unit ended ({getattr(state, 'result', code)})")
-        await self._fail(code, detail)
+        await self._fail(code, message)
 
     # -- park and stop ----------------------------------------------------------------------------
 

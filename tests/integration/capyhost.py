@@ -1,5 +1,5 @@
 """A CapyCTL host for integration tests: a booted sandbox (systemd as PID 1) running the
-daemon as the service ``capyctl.service`` (Type=notify), with its state under /var/tmp so
+daemon as the service ``capytest-daemon.service`` (Type=notify), with its state under /var/lib/capyctl-tests so
 both the host and the sandbox see it (the sandbox has private /run and /tmp)."""
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def smollm2_path() -> str | None:
 class CapyHost:
     def __init__(self, name: str | None = None, *, env: dict[str, str] | None = None) -> None:
         self.name = name or f"capy{secrets.token_hex(3)}"
-        self.root = Path(f"/var/tmp/capyctl-test-{self.name}")
+        # Not under /tmp or /var/tmp: engine units run with PrivateTmp=yes and would not see it.
+        self.root = Path(f"/var/lib/capyctl-tests/{self.name}")
         self.state_dir = self.root / "state"
         self.runtime_dir = self.root / "run"
         self.api_socket = self.runtime_dir / "api.sock"
@@ -82,33 +83,33 @@ class CapyHost:
     def start_daemon(self, timeout: float = 60) -> None:
         env = {"CAPYCTL_STATE_DIR": str(self.state_dir), "CAPYCTL_RUNTIME_DIR": str(self.runtime_dir),
                "CAPYCTL_LOG_LEVEL": "DEBUG", **self.env}
-        self.sh("systemctl", "reset-failed", "capyctl.service", check=False)
-        argv = ["systemd-run", "--unit=capyctl", "--service-type=notify", "--collect",
+        self.sh("systemctl", "reset-failed", "capytest-daemon.service", check=False)
+        argv = ["systemd-run", "--unit=capytest-daemon", "--service-type=notify", "--collect",
                 f"--property=TimeoutStartSec={int(timeout)}"]
         for k, v in env.items():
             argv.append(f"--setenv={k}={v}")
         argv += [str(CAPYCTL), "start", "standalone", "--listen", f"127.0.0.1:{self.port}"]
         out = self.sh(*argv, check=False, timeout=timeout + 10)
         if out.returncode != 0:
-            raise RuntimeError(f"capyctl.service did not start: {out.stderr}\n{self.daemon_journal()}")
+            raise RuntimeError(f"capytest-daemon.service did not start: {out.stderr}\n{self.daemon_journal()}")
 
     def kill_daemon(self) -> None:
-        self.sh("systemctl", "kill", "--signal=KILL", "capyctl.service")
+        self.sh("systemctl", "kill", "--signal=KILL", "capytest-daemon.service")
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            if self.sh("systemctl", "is-active", "capyctl.service", check=False).stdout.strip() != "active":
+            if self.sh("systemctl", "is-active", "capytest-daemon.service", check=False).stdout.strip() != "active":
                 return
             time.sleep(0.1)
-        raise RuntimeError("capyctl.service survived SIGKILL")
+        raise RuntimeError("capytest-daemon.service survived SIGKILL")
 
     def stop_daemon(self) -> None:
-        self.sh("systemctl", "stop", "capyctl.service", check=False)
+        self.sh("systemctl", "stop", "capytest-daemon.service", check=False)
 
     def daemon_journal(self, lines: int = 80) -> str:
-        return self.sh("journalctl", "-u", "capyctl.service", "-n", str(lines), "--no-pager", check=False).stdout
+        return self.sh("journalctl", "-u", "capytest-daemon.service", "-n", str(lines), "--no-pager", check=False).stdout
 
     def daemon_pid(self) -> int:
-        return int(self.sh("systemctl", "show", "-P", "MainPID", "capyctl.service").stdout.strip())
+        return int(self.sh("systemctl", "show", "-P", "MainPID", "capytest-daemon.service").stdout.strip())
 
     # -- the CLI, from the host ----------------------------------------------------------------------
 
