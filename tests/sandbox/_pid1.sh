@@ -49,8 +49,9 @@ for unit in "${masked[@]}"; do
 done
 
 # The journal stays in this sandbox's /run: two sandboxes share the host's machine-id
-# and would otherwise write the same files under /var/log/journal.
-printf '[Journal]\nStorage=volatile\n' > /run/systemd/journald.conf.d/capysb.conf
+# and would otherwise write the same files under /var/log/journal. The kernel log is
+# the host's, not the sandbox's: leave it out (dmesg on the host has it).
+printf '[Journal]\nStorage=volatile\nReadKMsg=no\n' > /run/systemd/journald.conf.d/capysb.conf
 
 # Boot only what a test needs: basic.target (sysinit, sockets with dbus.socket) and,
 # on request, sshd. multi-user.target would start every service the host enables.

@@ -24,8 +24,12 @@ class SandboxError(RuntimeError):
 
 
 def can_boot() -> bool:
-    """Booting needs root (unshare of pid/mount/cgroup namespaces, cgroup dirs)."""
-    return os.geteuid() == 0 and Path("/sys/fs/cgroup/systemd").is_dir()
+    """Booting needs root (unshare of pid/mount/cgroup namespaces, cgroup dirs).
+
+    Anything else missing (say a cgroup v2-only host) is a failure with the script's
+    own message, not a skip.
+    """
+    return os.geteuid() == 0
 
 
 class Sandbox:
