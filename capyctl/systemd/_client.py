@@ -155,10 +155,15 @@ class SystemdClient:
             where = address or "the system bus"
             raise SystemdError(f"Cannot connect to {where}: {exc}", code="dbus_unavailable") from exc
         client = cls(bus, Path(fs_root))
-        # Job and unit signals are broadcast: the bus routes them to us only with a match.
-        await add_match(bus, f"type='signal',sender='{SYSTEMD}',path='{MANAGER_PATH}',"
-                             f"interface='{MANAGER_IFACE}'")
-        await client.manager.subscribe()
+        try:
+            # Job and unit signals are broadcast: the bus routes them to us only with a match.
+            await add_match(bus, f"type='signal',sender='{SYSTEMD}',path='{MANAGER_PATH}',"
+                                 f"interface='{MANAGER_IFACE}'")
+            await client.manager.subscribe()
+        except SystemdError as exc:
+            bus.disconnect()
+            raise SystemdError(f"systemd does not answer on {address or 'the system bus'}: {exc.message}",
+                               code="dbus_unavailable") from exc
         return client
 
     async def close(self) -> None:
@@ -386,9 +391,16 @@ class SystemdClient:
         last state seen (None if systemd unloaded the unit, as it does after a clean
         stop of a transient unit).
         """
+        current = await self.unit_state(name)
+        if current is None or current.active_state in _DONE_STATES:
+            return current
         events = self.watch(name)
         try:
-            first = await anext(events, None)
+            try:
+                # The watch yields the current state at once, unless the unit vanished.
+                first = await asyncio.wait_for(anext(events, None), 10)
+            except asyncio.TimeoutError:
+                return None
             if first is None or first.active_state in _DONE_STATES:
                 return first
             try:

@@ -78,6 +78,10 @@ async def test_memory_max_reads_back_from_dbus_and_cgroup(sandbox: Sandbox) -> N
         final = await client.stop_unit(unit.name, timeout=10)
         assert final is None or final.active_state == "inactive"
         assert await client.unit_state(unit.name) is None  # a cleanly stopped transient unit is gone
+        assert await client.stop_unit(unit.name, timeout=10) is None  # stopping it again is a no-op
+        with pytest.raises(SystemdError) as gone:
+            await client.memory_current(unit.name)
+        assert gone.value.code == "unit_not_found"
     finally:
         await client.close()
 

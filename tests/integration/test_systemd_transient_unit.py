@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from capyctl.errors import SystemdError
-from capyctl.systemd import TransientUnit, UnitState, failure_reason
+from capyctl.systemd import SystemdClient, TransientUnit, UnitState, failure_reason
 from capyctl.systemd._security import parse_exposure
 from capyctl.systemd._units import (bus_path_escape, cpu_mask, escape_dollars, markers_from_environment,
                                     parse_cpu_list)
@@ -143,3 +145,9 @@ def test_parse_exposure() -> None:
     assert parse_exposure("  ...\n→ Overall exposure level for capyctl-a.service: 2.0 OK 🙂\n") == (2.0, "OK")
     with pytest.raises(SystemdError):
         parse_exposure("nothing here")
+
+
+async def test_connect_to_a_dead_address_is_dbus_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(SystemdError) as err:
+        await SystemdClient.connect(f"unix:path={tmp_path}/no-bus-here")
+    assert err.value.code == "dbus_unavailable"
