@@ -346,9 +346,13 @@ def measure_prompt_sweep(endpoint: Endpoint, config: BenchConfig) -> list[dict[s
 
 
 def run_streams(endpoint: Endpoint, streams: int, max_tokens: int, *, ignore_eos: bool = True,
-                prompt_words: int = 16) -> tuple[list[StreamResult], float]:
-    """``streams`` streams at once, each in its own thread; their results and the wall time."""
-    prompts = [make_prompt(prompt_words, _nonce()) for _ in range(streams)]
+                prompt_words: int = 16, prompt: str | None = None) -> tuple[list[StreamResult], float]:
+    """``streams`` streams at once, each in its own thread; their results and the wall time.
+
+    Each stream gets a prompt of its own unless ``prompt`` is given: one prompt for all lets
+    the engine's prompt cache skip prompt processing, so a load test measures the streams.
+    """
+    prompts = [prompt or make_prompt(prompt_words, _nonce()) for _ in range(streams)]
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=streams) as pool:
         results = list(pool.map(lambda p: stream_chat(endpoint, p, max_tokens, ignore_eos=ignore_eos), prompts))
