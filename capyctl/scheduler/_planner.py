@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 from itertools import combinations
+from math import comb
 from typing import Iterable, Sequence
 
 from ..errors import CapyError, Conflict, InvalidRequest
@@ -28,6 +29,8 @@ from ._model import (Candidate, NoRoom, Plan, Request, Victim, format_size, gpu_
 # still hold host RAM (stopping those is the only way to get that RAM back).
 _EVICTABLE = frozenset({"ready", "parked"})
 _HOLDS_ITS_MEMORY = frozenset({"starting", "ready", "waking"})
+# Most sets of identical cards tried on one host (8 cards taken 4 at a time are 70).
+MAX_CARD_SETS = 256
 
 
 @dataclass(frozen=True)
@@ -79,7 +82,8 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
         options = [_Option(own.host, own.gpus)]
     else:
         allowed = ledger.hosts if request.hosts is None else tuple(h for h in ledger.hosts if h in request.hosts)
-        options = [opt for host in allowed for opt in _host_options(ledger, host, fp.gpus)]
+        options = [opt for host in allowed
+                   for opt in _host_options(ledger, host, fp.gpus, lambda dom: _card_cost(ledger, request, dom, activity))]
 
     best_key: tuple | None = None
     best: tuple[_Option, list[_Item], dict[str, int]] | None = None
@@ -133,7 +137,11 @@ def idle_to_park(deployments: Iterable[Candidate], now: float) -> list[str]:
 
 # -- options and needs ---------------------------------------------------------------------------
 
-def _host_options(ledger: Ledger, host: str, gpus: int) -> list[_Option]:
+def _host_options(ledger: Ledger, host: str, gpus: int, card_cost) -> list[_Option]:
+    """Every set of ``gpus`` identical cards on ``host``. Where a group of identical cards has more
+    than MAX_CARD_SETS such sets (16 cards taken 8 at a time: 12,870), only sets of its cheapest
+    cards are tried, each card costed alone (``card_cost``): on such hosts the fewest-victims
+    guarantee holds among those cards."""
     if gpus == 0:
         return [_Option(host, ())]
     groups: dict[tuple, list[int]] = {}
@@ -141,8 +149,30 @@ def _host_options(ledger: Ledger, host: str, gpus: int) -> list[_Option]:
         if dom.kind == "gpu":
             assert dom.index is not None
             groups.setdefault(dom.card_type, []).append(dom.index)
-    return [_Option(host, combo) for indices in groups.values() if len(indices) >= gpus
-            for combo in combinations(sorted(indices), gpus)]
+    options = []
+    for indices in groups.values():
+        if len(indices) < gpus:
+            continue
+        keep = len(indices)
+        while keep > gpus and comb(keep, gpus) > MAX_CARD_SETS:
+            keep -= 1
+        if keep < len(indices):
+            indices = sorted(indices, key=lambda i: card_cost(gpu_domain(host, i)))[:keep]
+        options += [_Option(host, combo) for combo in combinations(sorted(indices), gpus)]
+    return options
+
+
+def _card_cost(ledger: Ledger, request: Request, domain: str, activity: dict[str, Candidate]) -> tuple:
+    """How hard one card is to free for the request on its own: victims needed, their recency, free memory."""
+    need = request.footprint.gpu_need(ledger.domains[domain].capacity)
+    deficit = need - ledger.free(domain)
+    host = ledger.domains[domain].host
+    items = sorted((_Item(c.last_used, c.deployment, (held[domain],)) for c, held in _eligible(ledger, host, activity)
+                    if held.get(domain, 0) > 0), key=lambda it: (it.last_used, it.deployment))
+    chosen = _fewest_in_component(items, (deficit,), len(items))
+    if chosen is None:
+        return (1, 0, (), -ledger.free(domain))
+    return (0, len(chosen), _lru_key(chosen), -ledger.free(domain))
 
 
 def _needs(ledger: Ledger, request: Request, option: _Option) -> dict[str, int]:
@@ -203,7 +233,43 @@ def _lru_key(chosen: Sequence[_Item]) -> tuple:
 
 def _fewest_victims(items: list[_Item], deficit: tuple[int, ...], max_k: int) -> list[_Item] | None:
     """The best set of at most ``max_k`` items whose vectors cover ``deficit`` (items oldest first):
-    fewest items, then the most recently used member as old as possible, then the next, and so on."""
+    fewest items, then the most recently used member as old as possible, then the next, and so on.
+
+    Dimensions no item links (cards whose holders hold nothing on the other short domains) are
+    independent problems: solved apart, their best sets add up to the best set, because adding the
+    same disjoint set to two candidate sets keeps their order."""
+    open_dims = [d for d, need in enumerate(deficit) if need > 0]
+    if not open_dims:
+        return []
+    parent = {d: d for d in open_dims}
+
+    def root(d: int) -> int:
+        while parent[d] != d:
+            parent[d] = parent[parent[d]]
+            d = parent[d]
+        return d
+
+    for it in items:
+        dims = [d for d in open_dims if it.vector[d] > 0]
+        for d in dims[1:]:
+            parent[root(d)] = root(dims[0])
+    components: dict[int, list[int]] = {}
+    for d in open_dims:
+        components.setdefault(root(d), []).append(d)
+    by_name = {it.deployment: it for it in items}
+    chosen: list[_Item] = []
+    for dims in components.values():
+        part = _fewest_in_component(
+            [_Item(it.last_used, it.deployment, tuple(it.vector[d] for d in dims))
+             for it in items if any(it.vector[d] > 0 for d in dims)],
+            tuple(deficit[d] for d in dims), max_k - len(chosen))
+        if part is None:
+            return None
+        chosen += [by_name[it.deployment] for it in part]
+    return sorted(chosen, key=lambda it: (it.last_used, it.deployment))
+
+
+def _fewest_in_component(items: list[_Item], deficit: tuple[int, ...], max_k: int) -> list[_Item] | None:
     if all(d <= 0 for d in deficit):
         return []
     vectors = [it.vector for it in items]

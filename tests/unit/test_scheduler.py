@@ -276,3 +276,21 @@ def test_idle_to_park_lists_idle_ready_deployments_past_their_time_oldest_first(
         Candidate("already", "parked", NOW - 9000, idle_park_after=600),
     ]
     assert idle_to_park(deployments, NOW) == ["older-due", "due"]
+
+
+def test_many_card_host_still_places_on_its_cheapest_identical_cards() -> None:
+    # 16 cards taken 8 at a time are 12,870 sets: the planner tries only sets of the cheapest cards.
+    ledger = Ledger([HostResources("big", 2048 * GiB, 0, tuple(GpuCard(i, "H100", 80 * GiB) for i in range(16)))])
+    candidates = []
+    for card in range(16):
+        for j in range(3 if card < 8 else 2):  # cards 8-15 need one victim fewer each
+            name = f"m{card}-{j}"
+            ledger.place(name, Footprint(1, 20 * GiB), "big", (card,), "ready")
+            candidates.append(ready(name, float(card * 3 + j)))
+    request = Request("tp8", Footprint(8, 50 * GiB, 8 * GiB))
+    result = plan(request, ledger, candidates, NOW)
+    assert result.gpus == tuple(range(8, 16)) and len(result.victims) == 8
+    ledger.apply(result, request)
+    for victim in result.victims:
+        ledger.confirm_released(victim.deployment)
+    assert ledger.overcommitted() == []
