@@ -52,12 +52,16 @@ def test_park_drains_first_then_wakes_in_place(host, kind):
     port = host.cli_json("status", "deployment", "fake")["port"]
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=60)
 
+    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    messages = [{"role": "user", "content": prompt}]
+    # The fake answers deterministically: what an undisturbed request gets is the reference.
+    reference = client.chat.completions.create(model="fake", max_tokens=32, messages=messages)
+    expected = reference.choices[0].message.content
     chunks: list[str] = []
     first_chunk = threading.Event()
 
     def stream() -> None:
-        for chunk in client.chat.completions.create(model="fake", stream=True, max_tokens=16,
-                                                    messages=[{"role": "user", "content": "hi"}]):
+        for chunk in client.chat.completions.create(model="fake", stream=True, max_tokens=32, messages=messages):
             if chunk.choices and chunk.choices[0].delta.content:
                 chunks.append(chunk.choices[0].delta.content)
                 first_chunk.set()
@@ -67,7 +71,8 @@ def test_park_drains_first_then_wakes_in_place(host, kind):
     assert first_chunk.wait(30)
     parked = host.cli_json("park", "deployment", "fake")  # returns once parked
     reader.join(30)
-    assert len(chunks) == 16, "the request in flight finished before the engine parked"
+    assert len(expected.split()) >= 12  # long enough (0.15 s a token) to be in flight during the park
+    assert "".join(chunks) == expected, "the request in flight finished before the engine parked"
     assert parked["state"] == "parked" and parked["parked_in_place"]
     stats = fake_stats(port)
     assert stats["aborted"] == 0 and stats.get("release_refused", 0) == 0, stats
