@@ -81,7 +81,10 @@ class Controller:
                     log.warning("stopping %s: it does not match the recorded launch", unit.name)
                     await self.systemd.stop_unit(unit.name, actor.spec.timeouts.stop)
         for unit in units.values():
-            if deployment_from_unit(unit.name) and unit.active_state in ("active", "activating"):
+            # Only units CapyCTL launched carry its markers; a unit that merely matches the name
+            # pattern (an admin's own capyctl-foo.service) is none of our business.
+            if unit.markers.get("deployment") == deployment_from_unit(unit.name) \
+                    and unit.active_state in ("active", "activating"):
                 log.warning("stopping %s: no deployment of that name is recorded", unit.name)
                 await self.systemd.stop_unit(unit.name, 30)
         if adopting:
