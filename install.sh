@@ -248,9 +248,16 @@ create_user_and_dirs() {
   fi
   if [ -f "$tmpfiles" ] && command -v systemd-tmpfiles >/dev/null 2>&1; then
     systemd-tmpfiles --create "$tmpfiles"
+  elif [ -f "$tmpfiles" ]; then
+    # Without systemd-tmpfiles: the directory lines ("d PATH MODE USER GROUP AGE") by hand.
+    local type path mode user group
+    while read -r type path mode user group _; do
+      case "$type" in
+        d|D) install -d -m "${mode/#-/0755}" -o "${user/#-/root}" -g "${group/#-/root}" "$path" ;;
+      esac
+    done < "$tmpfiles"
   else
     install -d -m 0750 "$STATE_DIR"
-    install -d -m 0755 "$RUNTIME_DIR"
   fi
 }
 

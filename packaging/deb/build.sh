@@ -71,6 +71,7 @@ CONTROL
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 deb="$OUT/capyctl_${VERSION}_${ARCH}.deb"
-# gzip: xz would take minutes on two cores for ~90 MB of environment.
-dpkg-deb --root-owner-group -Zgzip --build "$root" "$deb" >&2
+# zstd (dpkg >= 1.21.18, Debian 12): 2 s and 25 MB here, where gzip -9 takes 35 s for 26 MB
+# and xz minutes, for the ~90 MB environment.
+dpkg-deb --root-owner-group -Zzstd -z3 --build "$root" "$deb" >&2
 echo "$deb"

@@ -36,6 +36,7 @@ rpmbuild -bb "$HERE/capyctl.spec" \
   --define "_rpmdir $OUT" \
   --define "_build_name_fmt %%{NAME}-%%{VERSION}-%%{RELEASE}.%%{ARCH}.rpm" \
   --define "capyctl_version $VERSION" \
+  --define "capyctl_python_abi $(/usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
   --define "capyctl_src $TOP" \
   --define "capyctl_wheels $WHEELHOUSE" >&2
 rpm="$OUT/capyctl-$VERSION-1.x86_64.rpm"
