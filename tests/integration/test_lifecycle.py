@@ -5,6 +5,7 @@ reason, and adoption of running units by a restarted daemon."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import json
 import urllib.error
 import urllib.request
@@ -146,3 +147,45 @@ def test_two_models_that_do_not_fit_together_alternate(smollm2):
     finally:
         print(host.daemon_journal(200))
         host.teardown()
+
+
+def test_idle_deployment_parks_by_itself(capyhost, smollm2):
+    deploy(capyhost, "smollm2", smollm2, "idle_park_after: 2s\n", "--activate", "--wait")
+    c = client(capyhost, capyhost.create_key())
+    assert ask(c, "smollm2")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = capyhost.cli_json("status", "deployment", "smollm2")
+        if status["state"] == "parked":
+            break
+        time.sleep(0.5)
+    assert status["state"] == "parked", status
+    assert status["reason"] == "idle for 2s"
+    assert capyhost.unit_property("capyctl-smollm2.service", "ActiveState") in ("inactive", "")
+    assert ask(c, "smollm2")  # and it wakes on the next request
+
+
+def test_keys_scoped_and_revoked_stop_and_delete(capyhost, smollm2):
+    deploy(capyhost, "smollm2", smollm2)
+    other = capyhost.cli_json("key", "create", "--name", "other", "--models", "elsewhere")
+    scoped = client(capyhost, other["key"])
+    with pytest.raises(openai.NotFoundError):
+        ask(scoped, "smollm2")
+    assert [m.id for m in scoped.models.list().data] == []
+    full = capyhost.cli_json("key", "create", "--name", "full")
+    c = client(capyhost, full["key"])
+    assert ask(c, "smollm2")
+    capyhost.cli("key", "revoke", full["id"])
+    with pytest.raises(openai.AuthenticationError):
+        ask(c, "smollm2")
+    keys = {k["name"]: k for k in capyhost.cli_json("key", "list")}
+    assert keys["full"]["revoked_at"] and not keys["other"]["revoked_at"]
+    assert "key" not in keys["full"]  # secrets are never listed
+
+    capyhost.cli("stop", "deployment", "smollm2")
+    assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "stopped"
+    assert capyhost.unit_property("capyctl-smollm2.service", "ActiveState") in ("inactive", "")
+    capyhost.cli("delete", "deployment", "smollm2")
+    assert capyhost.cli_json("list", "deployments") == []
+    gone = capyhost.cli("status", "deployment", "smollm2", check=False)
+    assert gone.returncode == 1 and "deployment_not_found" in gone.stderr
