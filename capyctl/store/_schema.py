@@ -57,4 +57,8 @@ MIGRATIONS: list[str] = [
         created_at  REAL NOT NULL
     );
     """,
+    # 2: SSH hosts keep the known_hosts file their host key is checked against
+    """
+    ALTER TABLE hosts ADD COLUMN known_hosts TEXT;
+    """,
 ]

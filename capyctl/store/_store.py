@@ -76,6 +76,7 @@ class Host:
     port: int | None
     identity: str | None
     created_at: float
+    known_hosts: str | None = None  # the known_hosts file an SSH host's key is checked against
 
 
 def spec_hash(spec: DeploymentSpec) -> str:
@@ -314,14 +315,14 @@ class Store:
     # -- hosts ------------------------------------------------------------------------------
 
     def put_host(self, name: str, kind: str, *, address: str | None = None, port: int | None = None,
-                 identity: str | None = None) -> Host:
+                 identity: str | None = None, known_hosts: str | None = None) -> Host:
         now = time.time()
         with self._tx() as db:
             if db.execute("SELECT 1 FROM hosts WHERE name=?", (name,)).fetchone():
                 raise Conflict(f"a host named {name!r} exists already", code="host_exists")
-            db.execute("INSERT INTO hosts(name, kind, address, port, identity, created_at) VALUES (?,?,?,?,?,?)",
-                       (name, kind, address, port, identity, now))
-        return Host(name, kind, address, port, identity, now)
+            db.execute("INSERT INTO hosts(name, kind, address, port, identity, created_at, known_hosts) "
+                       "VALUES (?,?,?,?,?,?,?)", (name, kind, address, port, identity, now, known_hosts))
+        return Host(name, kind, address, port, identity, now, known_hosts)
 
     def list_hosts(self) -> list[Host]:
         return [Host(**dict(r)) for r in self._rows("SELECT * FROM hosts ORDER BY name")]
