@@ -1,0 +1,193 @@
+"""Fuzzing the proxy (hypothesis): random methods, paths, headers and bodies.
+
+The proxy runs on aiohttp's test server with a fake Router (the controller is not under
+test). Its one model cannot be woken: admission answers the documented 503 ``wake_failed``,
+so every request that passes validation ends there, and no engine is needed. Asserted: no
+5xx other than that 503, every error in the OpenAI shape with a stable code, and admission
+never asked for a request the proxy should have refused first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import string
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from capyctl.errors import Unavailable
+from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app
+
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+KEY, SCOPED_KEY = "sk-fuzz", "sk-only-other"
+MODEL = "m"
+MAX_BODY = 64 * 1024
+
+
+class UnwakeableRouter:
+    """One model, parked, whose wake fails: the documented 503 for anything admitted."""
+
+    def __init__(self) -> None:
+        self.admitted: list[str] = []
+
+    def models(self) -> list[ModelEntry]:
+        return [ModelEntry(id=MODEL, deployment=MODEL, state="parked", engine="llama.cpp", created=0)]
+
+    @asynccontextmanager
+    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
+        self.admitted.append(model)
+        raise Unavailable(f"deployment {model!r} could not be woken: fuzzing", code="wake_failed")
+        yield  # pragma: no cover - never reached; makes this an async generator
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {MODEL: {"queue_depth": 0, "in_flight": 0}}
+
+
+class Proxy:
+    def __init__(self) -> None:
+        self.runner = asyncio.Runner()
+        self.router = UnwakeableRouter()
+        keys = StaticKeys({KEY: KeyGrant("fuzz"), SCOPED_KEY: KeyGrant("scoped", models=frozenset({"other"}))})
+
+        async def start() -> TestClient:
+            client = TestClient(TestServer(build_app(self.router, keys, max_body=MAX_BODY)))
+            await client.start_server()
+            return client
+
+        self.client = self.runner.run(start())
+
+    def request(self, method: str, path: str, *, body: bytes | None, headers: dict[str, str]):
+        async def go():
+            try:
+                async with self.client.request(method, path, data=body, headers=headers) as r:
+                    return r.status, r.content_type, await r.read()
+            except aiohttp.ClientResponseError as exc:
+                # aiohttp's client refuses a HEAD answer that carries a body (the parser's 400
+                # below); the status is what the server said.
+                return exc.status, "unreadable", b""
+        return self.runner.run(go())
+
+    def close(self) -> None:
+        self.runner.run(self.client.close())
+        self.runner.close()
+
+
+@pytest.fixture
+def proxy():
+    instance = Proxy()
+    yield instance
+    instance.close()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=12)
+question = st.fixed_dictionaries({"type": st.sampled_from(["noul", "choice", "score", "bogus"]) | json_values},
+                                 optional={"instructions": json_values, "criteria": json_values})
+openai_like = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from([MODEL, "other", ""]) | json_values,
+    "messages": json_values, "stream": json_values, "max_tokens": json_values,
+    "state": json_values, "questions": st.dictionaries(st.text(max_size=8), question, max_size=3) | json_values,
+})
+bodies = st.one_of(st.binary(max_size=300), json_values.map(lambda v: json.dumps(v).encode()),
+                   openai_like.map(lambda v: json.dumps(v).encode()))
+routes = st.sampled_from(["/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+                          "/v1/embeddings", "/v1/systemone", "/sleep", "/wake_up", "/props", "/slots",
+                          "/v1/../sleep", "/release_memory_occupation"])
+random_paths = st.text(alphabet=string.ascii_letters + string.digits + "-._~/", max_size=40).map(lambda p: "/" + p)
+methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
+header_text = st.text(alphabet=string.ascii_letters + string.digits + " -_=;,./:", max_size=40)
+authorization = st.one_of(st.just(f"Bearer {KEY}"), st.just(f"Bearer {SCOPED_KEY}"), st.just(f"bearer  {KEY} "),
+                          header_text, st.just("Bearer "), st.just(KEY))
+headers = st.fixed_dictionaries({}, optional={
+    "Authorization": authorization,
+    "Content-Type": st.sampled_from(["application/json", "text/plain", "multipart/form-data"]) | header_text,
+    "Accept": header_text, "X-Forwarded-For": header_text, "Content-Encoding": st.sampled_from(["gzip", "br", "x"]),
+})
+
+
+def _check(status: int, content_type: str, raw: bytes, what: str, *,
+           parser_may_refuse: bool = False) -> dict | None:
+    assert status < 500 or status == 503, f"{what} -> {status}: {raw[:300]!r}"
+    if parser_may_refuse and status == 400 and content_type != "application/json":
+        # aiohttp's HTTP parser answers a Content-Encoding it cannot decode before any handler
+        # or middleware runs, in text/plain; the proxy never sees that request.
+        return None
+    if status >= 400 and raw:
+        assert content_type == "application/json", f"{what} -> {status} as {content_type}: {raw[:200]!r}"
+        error = json.loads(raw)["error"]
+        assert error["code"] and error["code"] == error["code"].lower() and " " not in error["code"]
+        assert error["message"]
+        return error
+    return None
+
+
+@FUZZ
+@given(method=methods, path=st.one_of(routes, random_paths), body=st.none() | bodies, extra=headers)
+def test_no_request_gets_a_server_error_other_than_the_documented_503(proxy, method, path, body, extra):
+    before = len(proxy.router.admitted)
+    status, content_type, raw = proxy.request(method, path, body=body, headers=extra)
+    error = _check(status, content_type, raw, f"{method} {path} {extra} {body!r:.80}",
+                   parser_may_refuse="Content-Encoding" in extra)
+    admitted = proxy.router.admitted[before:]
+    if status == 503:
+        assert error["code"] == "wake_failed" and admitted == [MODEL]
+    if admitted:
+        # Only a keyed, well-formed request for the one model it may use gets as far as admission.
+        assert extra.get("Authorization", "").split() == ["Bearer", KEY] or \
+            extra.get("Authorization", "").lower().split() == ["bearer", KEY.lower()]
+        assert method == "POST" and path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                                             "/v1/systemone")
+
+
+@FUZZ
+@given(route=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/systemone"]),
+       body=bodies)
+def test_keyed_random_bodies_are_refused_or_admitted_never_a_server_error(proxy, route, body):
+    before = len(proxy.router.admitted)
+    status, content_type, raw = proxy.request("POST", route, body=body, headers={"Authorization": f"Bearer {KEY}"})
+    error = _check(status, content_type, raw, f"POST {route} {body!r:.80}")
+    admitted = proxy.router.admitted[before:]
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        parsed = None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str) or not parsed["model"]:
+        assert admitted == [] and status == 400 and error["code"] in ("invalid_json", "missing_model")
+    if admitted:
+        assert status == 503
+    if route == "/v1/systemone" and status in (400, 422) and error["code"] not in ("invalid_json", "missing_model"):
+        assert admitted == []  # a bad decision request wakes nothing
+
+
+def test_oversized_body_is_413_and_admits_nothing(proxy):
+    status, content_type, raw = proxy.request("POST", "/v1/chat/completions", body=b"{" + b" " * MAX_BODY + b"}",
+                                              headers={"Authorization": f"Bearer {KEY}"})
+    assert (status, _check(status, content_type, raw, "oversized")["code"]) == (413, "request_too_large")
+    assert proxy.router.admitted == []
+
+
+def test_chunked_oversized_body_is_413(proxy):
+    async def chunks():
+        for _ in range(MAX_BODY // 1024 + 2):
+            yield b" " * 1024
+
+    async def go():
+        async with proxy.client.post("/v1/chat/completions", data=chunks(),
+                                     headers={"Authorization": f"Bearer {KEY}"}) as r:
+            return r.status, r.content_type, await r.read()
+    status, content_type, raw = proxy.runner.run(go())
+    assert (status, _check(status, content_type, raw, "chunked oversized")["code"]) == (413, "request_too_large")
+
+
+def test_a_body_that_is_not_utf8_is_invalid_json(proxy):
+    status, content_type, raw = proxy.request("POST", "/v1/chat/completions", body=b"\xff\xfe{}",
+                                              headers={"Authorization": f"Bearer {KEY}"})
+    assert (status, _check(status, content_type, raw, "not utf-8")["code"]) == (400, "invalid_json")
