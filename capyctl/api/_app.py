@@ -46,7 +46,7 @@ async def _errors(request: web.Request, handler):
 async def _body(request: web.Request) -> dict:
     try:
         data = await request.json()
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_json")
