@@ -1,0 +1,97 @@
+"""Waking a parked deployment through CapyCTL against starting llama-server by hand.
+
+Baseline, measured in the same run: start the llama-server process (SmolLM2 135M, the
+arguments CapyCTL's llama.cpp adapter uses) and send a request as soon as it accepts one;
+the figure is process start → first token. CapyCTL: a sandboxed host (systemd as PID 1,
+the daemon as capyctl.service, tests/integration/capyhost.py) with the same model deployed;
+park it (llama.cpp parks by stopping its unit), then request → first token; and the same
+from stopped (cold). Runs alternate so drift in the machine's load hits both alike.
+Needs root (the sandbox). Prints medians and the ratios against the baseline.
+
+Run: .venv/bin/python benchmarks/wake_vs_manual.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from capyctl.bench import BenchConfig, Control, Endpoint, stream_chat  # noqa: E402
+from capyctl.bench._core import measure_wake  # noqa: E402
+from capyctl.engines.llamacpp import DEFAULT_CONTEXT  # noqa: E402
+from tests.integration.capyhost import CapyHost, free_port, llama_server_path, smollm2_path  # noqa: E402
+
+
+def manual_start_to_first_token(binary: str, model: str) -> float:
+    port = free_port()
+    endpoint = Endpoint(f"http://127.0.0.1:{port}", "smollm2", timeout=120)
+    started = time.perf_counter()
+    process = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--alias",
+                                "smollm2", "--jinja", "-c", str(DEFAULT_CONTEXT), "-t", str(os.cpu_count())],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            sent = time.perf_counter()
+            result = stream_chat(endpoint, "Hi.", 2)
+            if result.ok and result.ttft is not None:
+                return sent + result.ttft - started
+            # Refused (not listening yet) or 503 (loading the model): ask again at once, as a
+            # script that polls would; 10 ms keeps the loop from eating a core.
+            if process.poll() is not None:
+                sys.exit(f"llama-server exited with {process.returncode}")
+            if time.perf_counter() - started > 120:
+                sys.exit(f"llama-server gave no token in 120 s: {result.status} {result.error}")
+            time.sleep(0.01)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    binary, model = llama_server_path(), smollm2_path()
+    if binary is None or model is None:
+        sys.exit("needs llama-server (scripts/build-llama-server) and the SmolLM2 package (scripts/setup)")
+    if os.geteuid() != 0:
+        sys.exit("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
+
+    host = CapyHost().boot()
+    try:
+        host.start_daemon()
+        host.cli("engine", "add", binary, "--name", "llama")
+        manifest = host.write_manifest("smollm2", f"name: smollm2\nengine: llama\nmodel: {{path: {model}}}\n")
+        host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+        endpoint = Endpoint(host.base_url, "smollm2", host.create_key("--name", "bench"), timeout=300)
+        control = Control(api_socket=str(host.api_socket))
+        manual, parked, cold, warm = [], [], [], []
+        for _ in range(args.runs):
+            manual.append(manual_start_to_first_token(binary, model))
+            figures = measure_wake(endpoint, control, BenchConfig(wake_runs=1, ignore_eos=True))
+            parked.append(figures["parked_ttft_s"]["median"])
+            cold.append(figures["cold_ttft_s"]["median"])
+            warm.append(figures["warm_ttft_s"]["median"])
+    finally:
+        host.teardown()
+
+    def ms(values: list[float]) -> str:
+        return f"{statistics.median(values) * 1000:9.1f} ms"
+
+    base = statistics.median(manual)
+    print(f"machine: {os.cpu_count()} cpus; SmolLM2 135M; {args.runs} runs each, medians")
+    print(f"{'by hand: process start -> first token':44}{ms(manual)}{'1.000':>10}")
+    print(f"{'CapyCTL: parked -> first token (wake)':44}{ms(parked)}{statistics.median(parked) / base:>10.3f}")
+    print(f"{'CapyCTL: stopped -> first token (cold)':44}{ms(cold)}{statistics.median(cold) / base:>10.3f}")
+    print(f"{'CapyCTL: ready -> first token':44}{ms(warm)}{statistics.median(warm) / base:>10.3f}")
+
+
+if __name__ == "__main__":
+    main()
