@@ -130,16 +130,17 @@ async def delete_deployment(request: web.Request) -> web.Response:
 
 
 async def deployment_logs(request: web.Request) -> web.StreamResponse:
-    from ..systemd import journal_follow, journal_tail
+    from ..systemd import journal_follow
     ctl = request.app[CONTROLLER]
     actor = ctl.get(request.match_info["name"])
     lines = int(request.query.get("lines", "50"))
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
-    for line in await journal_tail(actor.unit, lines):
+    for line in await ctl.journal(actor.unit, lines, actor.host):
         await resp.write((json.dumps({"line": line}) + "\n").encode())
     if request.query.get("follow"):
-        async for line in journal_follow(actor.unit):
+        prefix = ctl.hosts.ssh_prefix(actor.host) if actor.host != "local" else ()
+        async for line in journal_follow(actor.unit, command_prefix=prefix):
             await resp.write((json.dumps({"line": line}) + "\n").encode())
     await resp.write_eof()
     return resp
@@ -201,15 +202,54 @@ async def revoke_key(request: web.Request) -> web.Response:
 
 # -- hosts ------------------------------------------------------------------------------------------
 
-async def list_hosts(request: web.Request) -> web.Response:
+async def _local_host_row(ctl: Controller) -> dict:
     from ..hosts import host_inventory
     inv = await asyncio.to_thread(host_inventory)
-    engines = sorted({e.type for e in request.app[STORE].list_engines()})
-    gpus = len(inv.gpus)
-    total = sum(g.memory_total for g in inv.gpus) if gpus else inv.ram_total
-    free = sum(g.memory_free for g in inv.gpus) if gpus else inv.ram_available
-    return web.json_response([{"name": "local", "state": "online", "gpus": gpus, "memory_total": total,
-                               "memory_free": free, "engines": engines}])
+    ctl.hosts.set_local_info(inv.to_dict())
+    return ctl.describe_host("local")
+
+
+async def list_hosts(request: web.Request) -> web.Response:
+    ctl = request.app[CONTROLLER]
+    rows = [await _local_host_row(ctl)]
+    rows += [ctl.describe_host(name) for name in sorted(ctl.hosts.entries) if name != "local"]
+    return web.json_response(rows)
+
+
+async def get_host(request: web.Request) -> web.Response:
+    ctl = request.app[CONTROLLER]
+    name = request.match_info["name"]
+    if name == "local":
+        return web.json_response(await _local_host_row(ctl))
+    return web.json_response(ctl.describe_host(name))
+
+
+async def add_host(request: web.Request) -> web.Response:
+    body = await _body(request)
+    name, target = body.get("name"), body.get("ssh")
+    if not isinstance(name, str) or not isinstance(target, str) or not name or not target:
+        raise InvalidRequest("give the host's name and its SSH target ([user@]address)", code="missing_host")
+    port = body.get("port")
+    if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        raise InvalidRequest(f"port must be a number from 1 to 65535, not {port!r}", code="invalid_port")
+    options = {}
+    for key in ("identity", "known_hosts"):
+        value = body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequest(f"{key} must be a path", code="invalid_path")
+        options[key] = value
+    row = await request.app[CONTROLLER].add_host(name, target, port=port, **options)
+    return web.json_response(row, status=201)
+
+
+async def remove_host(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    await request.app[CONTROLLER].remove_host(name)
+    return web.json_response({"name": name, "removed": True})
+
+
+async def check_host(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[CONTROLLER].hosts.check(request.match_info["name"]))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -236,4 +276,8 @@ def build_api(controller: Controller, store: Store) -> web.Application:
     r.add_post("/v1/keys", create_key)
     r.add_delete("/v1/keys/{id}", revoke_key)
     r.add_get("/v1/hosts", list_hosts)
+    r.add_post("/v1/hosts", add_host)
+    r.add_get("/v1/hosts/{name}", get_host)
+    r.add_delete("/v1/hosts/{name}", remove_host)
+    r.add_post("/v1/hosts/{name}/check", check_host)
     return app

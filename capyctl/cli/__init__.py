@@ -175,6 +175,58 @@ def cmd_list(args) -> int:
     return 0
 
 
+# -- hosts -----------------------------------------------------------------------------------
+
+def cmd_host_info(args) -> int:
+    from ..hosts import host_inventory
+    inv = host_inventory()
+    if args.json:
+        print(inv.to_json())
+    else:
+        print(f"{inv.hostname}: {inv.cpu_count} CPUs, RAM {human_bytes(inv.ram_available)} free of "
+              f"{human_bytes(inv.ram_total)}, " + (f"{len(inv.gpus)} GPUs" if inv.gpus else
+                                                   f"no GPUs ({inv.nvml_error})"))
+        for g in inv.gpus:
+            print(f"  GPU {g.index}: {g.name}, {human_bytes(g.memory_free)} free of {human_bytes(g.memory_total)}")
+    return 0
+
+
+def cmd_host_add(args) -> int:
+    body = {"name": args.name, "ssh": args.ssh, "port": args.port,
+            "identity": str(Path(args.identity).resolve()) if args.identity else None,
+            "known_hosts": str(Path(args.known_hosts).resolve()) if args.known_hosts else None}
+    h = ApiClient(args.api_socket, timeout=120).request("POST", "/v1/hosts", body)
+    print_json(h) if args.json else print(f"host {h['name']}: {h['state']} ({h.get('hostname') or args.ssh})")
+    return 0
+
+
+def cmd_host_list(args) -> int:
+    args.resource = "hosts"
+    return cmd_list(args)
+
+
+def cmd_host_remove(args) -> int:
+    ApiClient(args.api_socket).request("DELETE", f"/v1/hosts/{args.name}")
+    print(f"host {args.name} removed")
+    return 0
+
+
+def cmd_host_check(args) -> int:
+    r = ApiClient(args.api_socket, timeout=180).request("POST", f"/v1/hosts/{args.name}/check")
+    if args.json:
+        print_json(r)
+        return 0 if r.get("reachable") else EXIT_ERROR
+    if not r.get("reachable"):
+        error(f"host {args.name} is not reachable: {r.get('message') or r.get('error')}")
+        return EXIT_ERROR
+    info = r.get("host_info") or {}
+    print(f"host {args.name}: reachable, latency {r.get('latency_ms')} ms, systemd {r.get('systemd_version')}")
+    if info:
+        print(f"  {info.get('hostname')}: {info.get('cpu_count')} CPUs, RAM {human_bytes(info.get('ram_available'))} "
+              f"free of {human_bytes(info.get('ram_total'))}, {len(info.get('gpus') or [])} GPUs")
+    return 0
+
+
 def cmd_status(args) -> int:
     d = ApiClient(args.api_socket).request("GET", f"/v1/deployments/{args.name}")
     if args.json:
@@ -374,6 +426,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name").completer = _engine_names
     _common(p)
     p.set_defaults(func=cmd_engine_remove)
+
+    host = add("host", "add, list, check and remove hosts reached over SSH",
+               "Remote hosts run deployments in their own systemd, driven over SSH (host keys are always\n"
+               "verified: add the host's key to known_hosts first). Engines and models are expected at the\n"
+               "same paths as on this host.")
+    hsub = host.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = hsub.add_parser("add", help="connect to a host over SSH, check it and record it", formatter_class=_Formatter)
+    p.add_argument("name", help="the name deployments use in their `hosts` list")
+    p.add_argument("--ssh", required=True, metavar="[USER@]ADDRESS", help="SSH target (an ssh_config alias works)")
+    p.add_argument("--port", type=int, help="SSH port (default: ssh's own)")
+    p.add_argument("--identity", metavar="FILE", help="private key to log in with")
+    p.add_argument("--known-hosts", metavar="FILE", help="known_hosts file holding the host's key")
+    _common(p)
+    p.set_defaults(func=cmd_host_add)
+    p = hsub.add_parser("list", help="list hosts: state, GPUs, memory, engines")
+    _common(p)
+    p.set_defaults(func=cmd_host_list)
+    p = hsub.add_parser("remove", help="forget a host no deployment runs on")
+    p.add_argument("name")
+    _common(p)
+    p.set_defaults(func=cmd_host_remove)
+    p = hsub.add_parser("check", help="reachability, latency, systemd version and inventory of a host")
+    p.add_argument("name")
+    _common(p)
+    p.set_defaults(func=cmd_host_check)
+
+    p = add("host-info", "print this machine's inventory: GPUs, RAM, CPUs (needs no daemon)")
+    _common(p)
+    p.set_defaults(func=cmd_host_info)
 
     key = add("key", "create, list and revoke API keys for the OpenAI endpoint")
     ksub = key.add_subparsers(dest="action", metavar="ACTION", required=True)

@@ -70,7 +70,11 @@ class DeploymentActor:
         self.parks = 0
         # What the running launch is.
         self.launch_id: str | None = None
+        # The host the unit runs on, the engine's port there, and the local end of its SSH
+        # forward (None on the local host, where the proxy reaches the engine directly).
+        self.host: str = "local"
         self.port: int | None = None
+        self.local_port: int | None = None
         self.key: str | None = None
         self.model_path: str | None = None
         self.model_commit: str | None = revision.model_commit
@@ -104,14 +108,27 @@ class DeploymentActor:
     def busy(self) -> bool:
         return self.in_flight > 0 or self.waiting > 0
 
+    @property
+    def systemd(self) -> Any:
+        """The systemd of the host this deployment runs on (raises host_offline while it is offline)."""
+        return self.controller.hosts.systemd(self.host)
+
+    @property
+    def remote(self) -> bool:
+        return self.host != "local"
+
     def upstream(self) -> Upstream:
-        return Upstream(deployment=self.name, base_url=f"http://127.0.0.1:{self.port}", api_key=self.key,
+        port = self.local_port if self.remote else self.port
+        return Upstream(deployment=self.name, base_url=f"http://127.0.0.1:{port}", api_key=self.key,
                         engine=self.controller.engine_kind(self.spec), capabilities=self.capabilities,
                         served_model=self.served_model)
 
     # -- admission (called from request handlers; never changes state) ------------------------
 
     async def admit(self) -> None:
+        blocked = self.controller.placement_error(self)
+        if blocked is not None:
+            raise blocked
         if self.state == READY and self._commands.empty():
             self._enter()
             return
@@ -209,7 +226,7 @@ class DeploymentActor:
         self.reason = reason
         if persist:
             self.controller.store.put_runtime(
-                self.name, state, reason=reason, launch_id=self.launch_id, port=self.port,
+                self.name, state, reason=reason, host=self.host, launch_id=self.launch_id, port=self.port,
                 model_path=self.model_path)
         self.controller.on_state_change(self)
 
@@ -249,7 +266,7 @@ class DeploymentActor:
         return self.state
 
     async def _unit_active(self) -> bool:
-        state = await self.controller.systemd.unit_state(self.unit)
+        state = await self.systemd.unit_state(self.unit)
         return state is not None and state.active_state == "active"
 
     async def _launch(self, progress: Progress) -> None:
@@ -264,15 +281,16 @@ class DeploymentActor:
         self.model_path = resolved.path
         if resolved.revision and resolved.revision != self.model_commit:
             self.model_commit = resolved.revision
-        self.port = ctl.lease_port(self.name)
+        await self._drop_forward()
+        self.port = await ctl.lease_port(self.name, self.host)
         self.key = secrets.token_urlsafe(32)
         self.launch_id = secrets.token_hex(8)
         ctx = LaunchContext(deployment=self.spec, engine=engine, model_path=resolved.path, port=self.port,
-                            gpu_indices=[], cpu_threads=ctl.cpu_threads(self.spec))
+                            gpu_indices=[], cpu_threads=ctl.cpu_threads(self.spec, self.host))
         plan = adapter.build_launch(ctx)
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=resolved.path)
         self.served_model = plan.served_model
-        env_file = ctl.write_secret_env(self.name, plan.secret_file_environment(self.key))
+        env_file = await ctl.write_secret_env_on(self.host, self.name, plan.secret_file_environment(self.key))
         environment = {**plan.environment, **self.spec.env}
         unit = TransientUnit(
             name=self.unit,
@@ -284,11 +302,22 @@ class DeploymentActor:
             markers={"deployment": self.name, "revision": str(self.revision.revision), "launch": self.launch_id,
                      "port": str(self.port)})
         self._set(self.state)  # persist launch id and port before the unit exists: adoption needs them
-        progress(f"starting unit {self.unit}")
+        progress(f"starting unit {self.unit}" + (f" on host {self.host}" if self.remote else ""))
         self._unit_exited.clear()
         self._expect_exit = False
-        await ctl.systemd.start_transient(unit)
+        await self.systemd.start_transient(unit)
         self._start_watch()
+        await self._ensure_forward()
+
+    async def _ensure_forward(self) -> None:
+        """On a remote host, a local port forwarded to the engine's loopback port there."""
+        if self.remote and self.port and not self.controller.hosts.has_forward(self.host, self.local_port):
+            self.local_port = await self.controller.hosts.forward_port(self.host, self.port)
+
+    async def _drop_forward(self) -> None:
+        if self.local_port is not None:
+            await self.controller.hosts.cancel_forward(self.host, self.local_port)
+            self.local_port = None
 
     def _model_label(self) -> str:
         m = self.spec.model
@@ -326,14 +355,14 @@ class DeploymentActor:
         self.failed_at = time.monotonic()
         self.reason_code = code
         try:
-            self.journal = await self.controller.journal(self.unit, 20)
+            self.journal = await self.controller.journal(self.unit, 20, self.host)
         except Exception:
             self.journal = []
         # A unit that failed to become healthy is stopped so it holds no memory.
         if not self._unit_exited.is_set():
             self._expect_exit = True
             try:
-                await self.controller.systemd.stop_unit(self.unit, self.spec.timeouts.stop)
+                await self.systemd.stop_unit(self.unit, self.spec.timeouts.stop)
             except CapyError:
                 pass
         self.parked_in_place = False
@@ -349,8 +378,8 @@ class DeploymentActor:
 
     async def _watch(self) -> None:
         from ..systemd import failure_message, failure_reason
-        systemd = self.controller.systemd
         try:
+            systemd = self.systemd
             async for st in systemd.watch(self.unit):
                 if st.active_state in ("failed", "inactive"):
                     if not self._expect_exit:
@@ -421,9 +450,17 @@ class DeploymentActor:
 
     async def _stop_unit(self) -> None:
         self._expect_exit = True
-        await self.controller.systemd.stop_unit(self.unit, self.spec.timeouts.stop)
+        await self.systemd.stop_unit(self.unit, self.spec.timeouts.stop)
         self._unit_exited.set()
+        await self._drop_forward()
         self.controller.release_port(self.name)
+
+    def host_lost(self) -> None:
+        """The host went offline: its bus connection is gone, so the unit watch on it is too.
+        The state stays as it was (requests answer host_offline); reconciling after the
+        reconnect adopts the unit again or fails the deployment."""
+        if self._watch_task and not self._watch_task.done():
+            self._watch_task.cancel()
 
     async def _do_stop(self) -> str:
         if self.state in (STOPPED,):
@@ -450,10 +487,16 @@ class DeploymentActor:
     async def _do_adopt(self, unit_state: Any, runtime: Any) -> str:
         """Take over a unit a previous daemon started: no restart of a healthy engine."""
         self.launch_id = runtime.launch_id
+        self.host = runtime.host
         self.port = runtime.port
         self.model_path = runtime.model_path
-        self.key = self.controller.read_secret_key(self.name)
-        self.controller.claim_port(self.name, self.port)
+        self.key = await self.controller.read_secret_key_on(self.host, self.name)
+        self.controller.claim_port(self.name, self.port, self.host)
+        # After a reconnect the SSH master re-created the forward on the same local port.
+        await self._ensure_forward()
+        if self._watch_task and not self._watch_task.done():
+            self._watch_task.cancel()
+        self._watch_task = None
         engine = self.controller.engine_for(self.spec)
         adapter = self.controller.adapter(self.spec)
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=self.model_path)
@@ -480,11 +523,16 @@ class DeploymentActor:
             "name": self.name, "state": self.state, "reason": self.reason, "revision": self.revision.revision,
             "engine": spec.engine, "unit": self.unit, "model": self._model_label(),
             "model_commit": self.model_commit, "port": self.port if self.state in RUNNING_STATES else None,
-            "hosts": spec.hosts or ["local"], "in_flight": self.in_flight, "waiting": self.waiting,
+            "hosts": [self.host] if self.launch_id or not spec.hosts else spec.hosts,
+            "host_state": self._host_state(), "in_flight": self.in_flight, "waiting": self.waiting,
             "last_used": self.last_used or None, "parked_in_place": self.parked_in_place,
             "wakes": self.wakes, "parks": self.parks, "aliases": spec.aliases,
             "journal": self.journal if self.state == FAILED else [],
         }
+
+    def _host_state(self) -> str:
+        entry = self.controller.hosts.entries.get(self.host)
+        return entry.state if entry is not None else "unknown"
 
     async def close(self) -> None:
         for task in (self._task, self._watch_task):

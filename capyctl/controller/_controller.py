@@ -22,6 +22,7 @@ from ..spec import DeploymentSpec, EngineSpec
 from ..store import Revision, Store
 from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, STOPPED, Busy, DeploymentActor, Progress,
                      _no_progress)
+from ._hosts import LOCAL, HostRegistry
 from ._memory import MemoryPlanner
 
 log = logging.getLogger("capyctl.controller")
@@ -38,8 +39,11 @@ class Controller:
         self.actors: dict[str, DeploymentActor] = {}
         self.http: aiohttp.ClientSession | None = None
         self.memory = MemoryPlanner(config)
+        self.hosts = HostRegistry(store, self.paths.runtime_dir, systemd, ram_reserve=config.host_ram_reserve,
+                                  on_offline=self._host_offline, on_online=self._host_online,
+                                  on_resources=self.memory.set_host)
         self._placement_lock = asyncio.Lock()
-        self._ports: dict[str, int] = {}
+        self._ports: dict[str, tuple[str, int]] = {}  # deployment -> (host, engine port there)
         self._idle_task: asyncio.Task | None = None
         self._listeners: list[Callable[[DeploymentActor], None]] = []
 
@@ -55,16 +59,26 @@ class Controller:
         for dep in self.store.list_deployments():
             revision = self.store.current_revision(dep.name)
             if revision is not None:
-                self.actors[dep.name] = DeploymentActor(self, revision)
-        await self.reconcile()
+                actor = self.actors[dep.name] = DeploymentActor(self, revision)
+                runtime = self.store.get_runtime(dep.name)
+                if runtime is not None:
+                    actor.host = runtime.host
+        await self.hosts.start()
+        for host in self.hosts.online_names():
+            await self.reconcile(host)
         self._idle_task = asyncio.create_task(self._park_idle_loop(), name="idle-parker")
 
-    async def reconcile(self) -> None:
-        units = {u.name: u for u in await self.systemd.list_units("capyctl-*.service")}
+    async def reconcile(self, host: str = LOCAL) -> None:
+        """Adopt the units on ``host`` that match their recorded launch; stop ours that do not."""
+        systemd = self.hosts.systemd(host)
+        units = {u.name: u for u in await systemd.list_units("capyctl-*.service")}
         adopting = []
         for name, actor in self.actors.items():
+            if actor.host != host:
+                continue
             unit = units.pop(actor.unit, None)
             runtime = self.store.get_runtime(name)
+            was_placed = actor.state in RUNNING_STATES or actor.parked_in_place
             if unit is not None and unit.active_state in ("active", "activating", "reloading") and runtime \
                     and runtime.launch_id and unit.markers.get("launch") == runtime.launch_id:
                 adopting.append(actor.submit("adopt", unit_state=unit, runtime=runtime))
@@ -73,20 +87,26 @@ class Controller:
                     actor.state = FAILED
                     actor.reason = "the engine's unit failed while CapyCTL was not running"
                     actor.failed_at = time.monotonic() - 3600  # no backoff: the next request retries
+                elif was_placed:
+                    # Its engine went away while the host was out of reach.
+                    adopting.append(actor.submit("unit_exited", code="unit_lost",
+                                                 message=f"its unit was gone when host {host!r} came back"))
                 elif runtime and runtime.state == PARKED:
                     actor.state = PARKED
                 if unit is not None and unit.active_state != "failed":
                     # A unit of ours that does not match the recorded launch: stop it rather than
                     # serve an unknown revision with a key we do not have.
-                    log.warning("stopping %s: it does not match the recorded launch", unit.name)
-                    await self.systemd.stop_unit(unit.name, actor.spec.timeouts.stop)
+                    log.warning("stopping %s on %s: it does not match the recorded launch", unit.name, host)
+                    await systemd.stop_unit(unit.name, actor.spec.timeouts.stop)
         for unit in units.values():
             # Only units CapyCTL launched carry its markers; a unit that merely matches the name
-            # pattern (an admin's own capyctl-foo.service) is none of our business.
-            if unit.markers.get("deployment") == deployment_from_unit(unit.name) \
+            # pattern (an admin's own capyctl-foo.service) is none of our business. A deployment
+            # recorded under that name (a group's worker, one placed elsewhere) is left alone too.
+            owner = unit.markers.get("deployment")
+            if owner == deployment_from_unit(unit.name) and owner not in self.actors \
                     and unit.active_state in ("active", "activating"):
-                log.warning("stopping %s: no deployment of that name is recorded", unit.name)
-                await self.systemd.stop_unit(unit.name, 30)
+                log.warning("stopping %s on %s: no deployment of that name is recorded", unit.name, host)
+                await systemd.stop_unit(unit.name, 30)
         if adopting:
             await asyncio.gather(*adopting, return_exceptions=True)
 
@@ -97,6 +117,7 @@ class Controller:
         if stop_units:
             await asyncio.gather(*(a.submit("stop") for a in self.actors.values()), return_exceptions=True)
         await asyncio.gather(*(a.close() for a in self.actors.values()), return_exceptions=True)
+        await self.hosts.close()
         if self.http:
             await self.http.close()
 
@@ -135,33 +156,59 @@ class Controller:
         return await resolve_model(spec.model, engine_kind=engine.type, models_dir=self.paths.models_dir,
                                    progress=report)
 
-    def cpu_threads(self, spec: DeploymentSpec) -> int | None:
+    def cpu_threads(self, spec: DeploymentSpec, host: str = LOCAL) -> int | None:
         if spec.resources.cpus:
             return max(1, int(spec.resources.cpus))
+        if host != LOCAL:
+            return (self.hosts.get(host).info or {}).get("cpu_count") or None
         return os.cpu_count()
 
-    def lease_port(self, name: str) -> int:
-        if name in self._ports:
-            return self._ports[name]
-        used = set(self._ports.values())
+    async def lease_port(self, name: str, host: str = LOCAL) -> int:
+        """A loopback port for the engine on ``host`` (asked of the host itself when remote)."""
+        if name in self._ports and self._ports[name][0] == host:
+            return self._ports[name][1]
+        used = {port for h, port in self._ports.values() if h == host}
+        if host != LOCAL:
+            port = await self.hosts.free_port(host, used)
+            self._ports[name] = (host, port)
+            return port
         for _ in range(100):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             if port not in used:
-                self._ports[name] = port
+                self._ports[name] = (host, port)
                 return port
         raise CapyError("no free loopback port for the engine", code="no_port")
 
-    def claim_port(self, name: str, port: int | None) -> None:
+    def claim_port(self, name: str, port: int | None, host: str = LOCAL) -> None:
         if port:
-            self._ports[name] = port
+            self._ports[name] = (host, port)
 
     def release_port(self, name: str) -> None:
         self._ports.pop(name, None)
 
     def _secret_path(self, name: str) -> Path:
         return self.paths.secrets_dir / f"{name}.env"
+
+    async def write_secret_env_on(self, host: str, name: str, env: dict[str, str]) -> Path:
+        """The 0600 environment file with the per-launch key, on the host the unit runs on."""
+        if host == LOCAL:
+            return self.write_secret_env(name, env)
+        path = self._secret_path(name)
+        content = "".join(f"{key}={value}\n" for key, value in env.items()).encode()
+        await self.hosts.write_private_file(host, path, content)
+        return path
+
+    async def read_secret_key_on(self, host: str, name: str) -> str | None:
+        if host == LOCAL:
+            return self.read_secret_key(name)
+        text = await self.hosts.read_file(host, self._secret_path(name))
+        for line in (text or "").splitlines():
+            key, _, value = line.partition("=")
+            if key == "CAPYCTL_ENGINE_KEY":
+                return value
+        return None
 
     def write_secret_env(self, name: str, env: dict[str, str]) -> Path:
         path = self._secret_path(name)
@@ -188,9 +235,78 @@ class Controller:
     def remove_secret_env(self, name: str) -> None:
         self._secret_path(name).unlink(missing_ok=True)
 
-    async def journal(self, unit: str, lines: int) -> list[str]:
+    async def journal(self, unit: str, lines: int, host: str = LOCAL) -> list[str]:
+        if host != LOCAL:
+            return await self.hosts.journal(host, unit, lines)
         from ..systemd import journal_tail
         return await journal_tail(unit, lines)
+
+    # -- hosts --------------------------------------------------------------------------------------
+
+    def placement_error(self, actor: DeploymentActor) -> CapyError | None:
+        """Why a request for ``actor`` cannot be served now because of its hosts, or None."""
+        placed = actor.state in RUNNING_STATES or actor.parked_in_place
+        if placed:
+            entry = self.hosts.entries.get(actor.host)
+            if entry is not None and not entry.online:
+                return self.hosts.offline_error(actor.host, actor.name)
+            return None
+        wanted = actor.spec.hosts
+        if wanted and not any(h in self.hosts.entries and self.hosts.entries[h].online for h in wanted):
+            known = [h for h in wanted if h in self.hosts.entries]
+            if known:
+                return self.hosts.offline_error(known[0], actor.name)
+        return None
+
+    def allowed_hosts(self, actor: DeploymentActor) -> tuple[str, ...]:
+        """The online hosts ``actor`` may start on: its manifest's ``hosts``, else every online host."""
+        if actor.parked_in_place:
+            return (actor.host,)
+        wanted = actor.spec.hosts or list(self.hosts.entries)
+        for name in wanted:
+            self.hosts.get(name)  # an unknown host is an error, not an offline one
+        online = tuple(h for h in wanted if self.hosts.entries[h].online)
+        if not online:
+            raise self.hosts.offline_error(wanted[0], actor.name)
+        return online
+
+    async def _host_offline(self, host: str) -> None:
+        for actor in self.actors.values():
+            if actor.host == host:
+                actor.host_lost()
+
+    async def _host_online(self, host: str) -> None:
+        # The poller marks the host online after this returns, so reconcile through its entry.
+        entry = self.hosts.get(host)
+        state, entry.state = entry.state, "online"
+        try:
+            await self.reconcile(host)
+        except BaseException:
+            entry.state = state
+            raise
+
+    async def add_host(self, name: str, target: str, **options: Any) -> dict:
+        await self.hosts.add(name, target, **options)
+        return self.describe_host(name)
+
+    async def remove_host(self, name: str) -> None:
+        users = [a.name for a in self.actors.values()
+                 if a.host == name and (a.state in RUNNING_STATES or a.parked_in_place)]
+        if users:
+            raise Conflict(f"host {name!r} runs deployments {', '.join(sorted(users))}; stop them first",
+                           code="host_in_use")
+        pinned = [a.name for a in self.actors.values() if name in a.spec.hosts]
+        if pinned:
+            raise Conflict(f"deployments {', '.join(sorted(pinned))} name host {name!r} in their manifest; "
+                           "delete them or deploy them elsewhere first", code="host_in_use")
+        await self.hosts.remove(name)
+
+    def describe_host(self, name: str) -> dict:
+        row = self.hosts.describe(name)
+        row["engines"] = sorted({e.type for e in self.store.list_engines()})
+        row["deployments"] = sorted(a.name for a in self.actors.values()
+                                    if a.host == name and (a.state in RUNNING_STATES or a.parked_in_place))
+        return row
 
     # -- making room --------------------------------------------------------------------------------
 
@@ -198,8 +314,10 @@ class Controller:
         """Park or stop idle deployments until ``actor`` fits; busy ones are never touched."""
         async with self._placement_lock:
             for attempt in range(5):
-                victims = self.memory.plan(actor, list(self.actors.values()), time.time())
+                hosts = self.allowed_hosts(actor)
+                victims = self.memory.plan(actor, list(self.actors.values()), time.time(), hosts)
                 if not victims:
+                    actor.host = self.memory.planned_host(actor) or hosts[0]
                     self.memory.charge(actor)
                     return
                 try:
@@ -328,7 +446,7 @@ class Controller:
         info["memory_current"] = None
         if actor.state in RUNNING_STATES or actor.parked_in_place:
             try:
-                info["memory_current"] = await self.systemd.memory_current(actor.unit)
+                info["memory_current"] = await self.hosts.systemd(actor.host).memory_current(actor.unit)
             except Exception:
                 pass
         return info

@@ -62,11 +62,18 @@ class MemoryPlanner:
         self.ledger = Ledger([HostResources(name=LOCAL, ram_total=ram_total, ram_reserve=reserve)])
         self._last_plan: tuple[Plan, Request] | None = None
 
-    def plan(self, actor: "DeploymentActor", actors: list["DeploymentActor"], now: float):
-        """Victims to evict before ``actor`` can start: [(actor, "park" | "stop")]. Raises NoRoom."""
+    def set_host(self, name: str, resources: HostResources) -> None:
+        """Budget a (remote) host from its inventory; ``resources.name`` is ignored for ``name``."""
+        self.ledger.add_host(HostResources(name, resources.ram_total, resources.ram_reserve, resources.gpus))
+
+    def plan(self, actor: "DeploymentActor", actors: list["DeploymentActor"], now: float,
+             hosts: tuple[str, ...] = (LOCAL,)):
+        """Victims to evict before ``actor`` can start on one of ``hosts``: [(actor, "park" | "stop")].
+        Raises NoRoom. ``planned_host`` tells where the plan puts it."""
         for other in actors:
             self.observe(other)
-        request = Request(actor.name, footprint(actor), hosts=(LOCAL,))
+        hosts = tuple(h for h in hosts if h in self.ledger.hosts) or hosts
+        request = Request(actor.name, footprint(actor), hosts=hosts)
         candidates = [Candidate(a.name, a.state, a.last_used, busy=a.busy or not a._commands.empty(),
                                 never_evict=a.spec.park == "never", idle_park_after=a.spec.idle_park_after)
                       for a in actors if a is not actor and self.ledger.get(a.name) is not None]
@@ -74,6 +81,11 @@ class MemoryPlanner:
         self._last_plan = (result, request)
         by_name = {a.name: a for a in actors}
         return [(by_name[v.deployment], v.action) for v in result.victims]
+
+    def planned_host(self, actor: "DeploymentActor") -> str | None:
+        if self._last_plan and self._last_plan[0].deployment == actor.name:
+            return self._last_plan[0].host
+        return None
 
     def charge(self, actor: "DeploymentActor") -> None:
         if self._last_plan and self._last_plan[0].deployment == actor.name:
@@ -88,7 +100,9 @@ class MemoryPlanner:
         if placed is None:
             if state in ("stopped", "failed") or (state == "parked" and not actor.parked_in_place):
                 return
-            self.ledger.place(actor.name, footprint(actor), LOCAL, (), state,
+            if actor.host not in self.ledger.hosts:
+                return  # a host not budgeted (yet): nothing to charge it on
+            self.ledger.place(actor.name, footprint(actor), actor.host, (), state,
                               in_place=actor.parked_in_place if state == "parked" else None)
             return
         if placed.state != state or (state == "parked" and placed.in_place != actor.parked_in_place):

@@ -1,0 +1,419 @@
+"""The hosts a controller drives: "local" (the daemon's own systemd) and one entry per SSH host.
+
+An SSH host is reached through one ``SshHost`` ControlMaster: its systemd over a forwarded
+unix socket to its D-Bus system bus, its engines over forwarded loopback ports, and
+``capyctl host-info --json`` run there for its memory and GPUs. A background task polls
+every SSH host's master (``alive()``, no network round trip) every ``POLL_INTERVAL_S``; a
+dead master marks the host offline (its deployments answer 503 ``host_offline``) and the
+task reconnects with a backoff. ``reconnect()`` re-creates every forward at the same local
+socket path and port, so the controller only reconnects D-Bus and reconciles the host's units.
+
+Remote hosts are assumed to have the same engine and model paths as the controller's host
+(the same install, or a shared filesystem): ``engine add`` records a local path and the
+unit on the remote host runs that path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from ..errors import CapyError, Conflict, NotFound, Unavailable
+from ..hosts.ssh import SshError, SshHost
+from ..scheduler import GpuCard, HostResources
+from ..store import Host, Store
+
+if TYPE_CHECKING:
+    from ..systemd import SystemdClient
+
+log = logging.getLogger("capyctl.hosts")
+
+LOCAL = "local"
+ONLINE, OFFLINE = "online", "offline"
+POLL_INTERVAL_S = 2.0
+RECONNECT_BACKOFF_MAX_S = 10.0
+# Ports CapyCTL leases for engines on remote hosts (their loopback; never reachable from outside).
+REMOTE_PORT_RANGE = (20000, 60999)
+
+
+def local_capyctl() -> str:
+    """This capyctl's path; a remote host without capyctl on its PATH is tried at the same path."""
+    argv0 = sys.argv[0] if sys.argv and sys.argv[0] else ""
+    if os.path.isabs(argv0) and os.path.basename(argv0) == "capyctl":
+        return argv0
+    return shutil.which("capyctl") or "capyctl"
+
+
+@dataclass
+class HostEntry:
+    """One host the controller can run deployments on."""
+
+    name: str
+    kind: str  # local | ssh
+    systemd: "SystemdClient | None" = None
+    ssh: SshHost | None = None
+    record: Host | None = None
+    state: str = OFFLINE
+    reason: str | None = None
+    info: dict | None = None  # the host's `capyctl host-info --json`
+    bus_socket: str | None = None
+    since: float = field(default_factory=time.time)
+    next_attempt: float = 0.0
+    backoff: float = 1.0
+
+    @property
+    def online(self) -> bool:
+        return self.state == ONLINE
+
+    @property
+    def remote(self) -> bool:
+        return self.kind == "ssh"
+
+    def resources(self, ram_reserve: int) -> HostResources:
+        info = self.info or {}
+        gpus = tuple(GpuCard(int(g["index"]), str(g["name"]), int(g["memory_total"])) for g in info.get("gpus") or [])
+        return HostResources(self.name, int(info.get("ram_total") or 0), ram_reserve, gpus)
+
+
+def parse_target(target: str) -> tuple[str | None, str]:
+    """``[user@]address`` -> (user, address)."""
+    user, sep, address = target.rpartition("@")
+    return (user or None) if sep else None, address
+
+
+class HostRegistry:
+    """Every host by name. ``on_offline``/``on_online`` are the controller's callbacks."""
+
+    def __init__(self, store: Store, runtime_dir: Path, local_systemd: Any, *, ram_reserve: int,
+                 on_offline: Callable[[str], Awaitable[None]], on_online: Callable[[str], Awaitable[None]],
+                 on_resources: Callable[[str, HostResources], None]) -> None:
+        self.store = store
+        self.runtime_dir = Path(runtime_dir)
+        self.ram_reserve = ram_reserve
+        self._on_offline = on_offline
+        self._on_online = on_online
+        self._on_resources = on_resources
+        self.entries: dict[str, HostEntry] = {LOCAL: HostEntry(LOCAL, "local", systemd=local_systemd, state=ONLINE)}
+        self._poll_task: asyncio.Task | None = None
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect every recorded SSH host (an unreachable one starts offline and is retried)."""
+        for record in self.store.list_hosts():
+            if record.kind != "ssh" or record.name == LOCAL:
+                continue
+            entry = HostEntry(record.name, "ssh", ssh=self._ssh_for(record), record=record)
+            self.entries[record.name] = entry
+            try:
+                await self._connect(entry)
+            except CapyError as exc:
+                self._mark_offline(entry, exc.message)
+        self._poll_task = asyncio.create_task(self._poll_loop(), name="host-poller")
+
+    async def close(self) -> None:
+        if self._poll_task:
+            self._poll_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._poll_task
+        for entry in list(self.entries.values()):
+            if entry.remote:
+                await self._disconnect(entry)
+
+    def _ssh_for(self, record: Host) -> SshHost:
+        return SshHost(name=record.name, target=record.address or record.name,
+                       runtime_dir=self.runtime_dir / "hosts", port=record.port,
+                       identity_file=record.identity, known_hosts=record.known_hosts)
+
+    async def _connect(self, entry: HostEntry) -> None:
+        """Open (or reopen) the master, the bus connection, and read the host's inventory."""
+        from ..systemd import SystemdClient
+        assert entry.ssh is not None
+        if entry.bus_socket is None:
+            await entry.ssh.start()
+            entry.bus_socket = await entry.ssh.forward_unix()
+        else:
+            await entry.ssh.reconnect()  # the bus socket and engine ports come back where they were
+        if entry.systemd is not None:
+            await self._close_bus(entry)
+        entry.systemd = await SystemdClient.connect("unix:path=" + entry.bus_socket)
+        entry.info = await self.remote_host_info(entry.ssh)
+        self._on_resources(entry.name, entry.resources(self.ram_reserve))
+
+    async def _disconnect(self, entry: HostEntry) -> None:
+        await self._close_bus(entry)
+        if entry.ssh is not None:
+            with contextlib.suppress(CapyError, OSError):
+                await entry.ssh.close()
+        entry.bus_socket = None
+
+    @staticmethod
+    async def _close_bus(entry: HostEntry) -> None:
+        client, entry.systemd = entry.systemd, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.close(), 5)
+
+    def _mark_offline(self, entry: HostEntry, reason: str) -> None:
+        if entry.state != OFFLINE or entry.reason is None:
+            log.warning("host %s is offline: %s", entry.name, reason)
+        entry.state = OFFLINE
+        entry.reason = reason
+        entry.since = time.time()
+        entry.backoff = 1.0
+        entry.next_attempt = time.monotonic() + entry.backoff
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            for entry in list(self.entries.values()):
+                if not entry.remote or entry.name not in self.entries:
+                    continue
+                try:
+                    await self._poll(entry)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("host %s: poll failed", entry.name)
+
+    async def _poll(self, entry: HostEntry) -> None:
+        assert entry.ssh is not None
+        async with self._lock(entry.name):
+            if entry.online:
+                if await entry.ssh.alive():
+                    return
+                self._mark_offline(entry, "the SSH connection was lost")
+                await self._close_bus(entry)
+                await self._on_offline(entry.name)
+                return
+            if time.monotonic() < entry.next_attempt:
+                return
+            try:
+                await self._connect(entry)
+            except CapyError as exc:
+                entry.reason = exc.message
+                entry.backoff = min(entry.backoff * 2, RECONNECT_BACKOFF_MAX_S)
+                entry.next_attempt = time.monotonic() + entry.backoff
+                log.info("host %s: reconnect failed (%s); next try in %.0fs", entry.name, exc.code, entry.backoff)
+                return
+            log.info("host %s is reachable again; reconciling its units", entry.name)
+            try:
+                await self._on_online(entry.name)
+            except CapyError as exc:
+                log.warning("host %s: reconcile after reconnect failed: %s", entry.name, exc)
+            entry.state = ONLINE
+            entry.reason = None
+            entry.since = time.time()
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def get(self, name: str) -> HostEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise NotFound(f"no host named {name!r}; add it with 'capyctl host add {name} --ssh ADDRESS'",
+                           code="host_not_found")
+        return entry
+
+    def offline_error(self, name: str, deployment: str | None = None) -> Unavailable:
+        entry = self.get(name)
+        who = f"deployment {deployment!r} runs on host {name!r}, which" if deployment else f"host {name!r}"
+        return Unavailable(f"{who} is offline: {entry.reason or 'unreachable'}", code="host_offline",
+                           retry_after=5, detail={"host": name})
+
+    def require_online(self, name: str, deployment: str | None = None) -> HostEntry:
+        entry = self.get(name)
+        if not entry.online:
+            raise self.offline_error(name, deployment)
+        return entry
+
+    def systemd(self, name: str) -> Any:
+        entry = self.require_online(name)
+        if entry.systemd is None:
+            raise self.offline_error(name)
+        return entry.systemd
+
+    def online_names(self) -> list[str]:
+        return [n for n, e in self.entries.items() if e.online]
+
+    # -- operations on a host ------------------------------------------------------------------
+
+    async def run(self, name: str, argv: list[str], *, input: bytes | None = None,
+                  timeout: float = 60.0) -> tuple[int, bytes, bytes]:
+        """Run argv on the host (locally for "local")."""
+        entry = self.require_online(name)
+        if entry.ssh is None:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(input), timeout)
+            return proc.returncode or 0, out, err
+        return await entry.ssh.run(argv, input=input, timeout=timeout)
+
+    async def write_private_file(self, name: str, path: Path, content: bytes) -> None:
+        """A 0600 file in a 0700 directory on a remote host, written through SSH (never on argv)."""
+        rc, _, err = await self.run(
+            name, ["sh", "-c", 'umask 077 && mkdir -p "$1" && install -m 600 /dev/stdin "$2"', "sh",
+                   str(path.parent), str(path)], input=content)
+        if rc != 0:
+            raise CapyError(f"could not write {path} on host {name!r}: {err.decode(errors='replace').strip()}",
+                            code="remote_write_failed", status=502)
+
+    async def read_file(self, name: str, path: Path) -> str | None:
+        rc, out, _ = await self.run(name, ["cat", str(path)])
+        return out.decode(errors="replace") if rc == 0 else None
+
+    async def free_port(self, name: str, taken: set[int]) -> int:
+        """A port nothing listens on (TCP, IPv4 or IPv6) on the host's loopback."""
+        rc, out, _ = await self.run(name, ["cat", "/proc/net/tcp", "/proc/net/tcp6"])
+        listening = set()
+        for line in out.decode(errors="replace").splitlines()[1:]:
+            parts = line.split()
+            if len(parts) > 3 and parts[3] == "0A" and ":" in parts[1]:
+                with contextlib.suppress(ValueError):
+                    listening.add(int(parts[1].rsplit(":", 1)[1], 16))
+        for _ in range(200):
+            port = random.randint(*REMOTE_PORT_RANGE)
+            if port not in listening and port not in taken:
+                return port
+        raise CapyError(f"no free loopback port on host {name!r}", code="no_port")
+
+    async def forward_port(self, name: str, remote_port: int) -> int:
+        entry = self.require_online(name)
+        assert entry.ssh is not None
+        return await entry.ssh.forward_tcp(remote_port)
+
+    async def cancel_forward(self, name: str, local_port: int) -> None:
+        entry = self.entries.get(name)
+        if entry is None or entry.ssh is None:
+            return
+        with contextlib.suppress(CapyError):
+            await entry.ssh.cancel_forward(local_port)
+
+    def has_forward(self, name: str, local_port: int | None) -> bool:
+        entry = self.entries.get(name)
+        if entry is None or entry.ssh is None or local_port is None:
+            return False
+        return any(f["local"] == str(local_port) for f in entry.ssh.forwards())
+
+    async def journal(self, name: str, unit: str, lines: int) -> list[str]:
+        rc, out, err = await self.run(name, ["journalctl", "--no-pager", "--output=cat", f"--unit={unit}",
+                                             f"--lines={lines}"], timeout=30)
+        if rc != 0:
+            raise CapyError(f"journalctl on host {name!r} failed: {err.decode(errors='replace').strip()}",
+                            code="journal_unavailable", status=502)
+        return out.decode(errors="replace").splitlines()
+
+    def ssh_prefix(self, name: str) -> list[str]:
+        """argv prefix running a command on the host through its master (journalctl --follow)."""
+        entry = self.require_online(name)
+        assert entry.ssh is not None
+        ssh = entry.ssh
+        return [ssh.ssh_binary, *ssh._base_options(), "-o", "ControlMaster=no", "-T", ssh.target, "--"]
+
+    @staticmethod
+    async def remote_host_info(ssh: SshHost) -> dict:
+        """The host's ``capyctl host-info --json``; without capyctl there, its RAM and CPUs from /proc."""
+        script = ('for c in capyctl "$1"; do command -v "$c" >/dev/null 2>&1 && exec "$c" host-info --json; done; '
+                  'exit 127')
+        rc, out, _ = await ssh.run(["sh", "-c", script, "sh", local_capyctl()], timeout=60)
+        if rc == 0:
+            with contextlib.suppress(ValueError):
+                return json.loads(out)
+        rc, out, _ = await ssh.run(["sh", "-c", "hostname; nproc; cat /proc/meminfo"], timeout=30)
+        lines = out.decode(errors="replace").splitlines()
+        mem = {}
+        for line in lines[2:]:
+            match = re.match(r"(\w+):\s+(\d+) kB", line)
+            if match:
+                mem[match.group(1)] = int(match.group(2)) * 1024
+        return {"hostname": lines[0] if lines else ssh.name, "gpus": [], "ram_total": mem.get("MemTotal", 0),
+                "ram_available": mem.get("MemAvailable", 0),
+                "cpu_count": int(lines[1]) if len(lines) > 1 and lines[1].isdigit() else 0,
+                "nvml_error": "capyctl is not installed on the host; GPUs unknown"}
+
+    # -- management ----------------------------------------------------------------------------
+
+    async def add(self, name: str, target: str, *, port: int | None = None, identity: str | None = None,
+                  known_hosts: str | None = None) -> HostEntry:
+        """Connect, verify and record an SSH host. The host key must already be known."""
+        if name in self.entries:
+            raise Conflict(f"a host named {name!r} exists already", code="host_exists")
+        for label, path in (("identity file", identity), ("known_hosts file", known_hosts)):
+            if path is not None and not os.path.isabs(path):
+                raise CapyError(f"the {label} must be an absolute path, not {path!r}", code="invalid_path", status=400)
+        record = Host(name, "ssh", target, port, identity, time.time(), known_hosts)
+        entry = HostEntry(name, "ssh", ssh=self._ssh_for(record), record=record)
+        async with self._lock(name):
+            try:
+                await self._connect(entry)
+            except BaseException:
+                await self._disconnect(entry)
+                raise
+            entry.record = self.store.put_host(name, "ssh", address=target, port=port, identity=identity,
+                                               known_hosts=known_hosts)
+            entry.state = ONLINE
+            entry.reason = None
+            self.entries[name] = entry
+        return entry
+
+    async def remove(self, name: str) -> None:
+        if name == LOCAL:
+            raise CapyError("the local host cannot be removed", code="host_is_local", status=400)
+        entry = self.get(name)
+        async with self._lock(name):
+            self.store.remove_host(name)
+            self.entries.pop(name, None)
+            await self._disconnect(entry)
+
+    async def check(self, name: str) -> dict:
+        entry = self.get(name)
+        if entry.ssh is None:
+            from ..hosts import host_inventory
+            started = time.monotonic()
+            version = await asyncio.to_thread(subprocess.run, ["systemctl", "--version"], capture_output=True,
+                                              text=True)
+            match = re.match(r"systemd (\d+)", version.stdout)
+            inv = await asyncio.to_thread(host_inventory)
+            return {"host": name, "target": None, "reachable": True,
+                    "latency_ms": round((time.monotonic() - started) * 1000, 1),
+                    "systemd_version": int(match.group(1)) if match else None, "host_info": inv.to_dict()}
+        report = await entry.ssh.check([local_capyctl()])
+        if report.get("host_info") is None and report.get("reachable"):
+            with contextlib.suppress(CapyError):
+                report["host_info"] = await self.remote_host_info(entry.ssh)
+        return report
+
+    def describe(self, name: str) -> dict:
+        entry = self.get(name)
+        info = entry.info or {}
+        row: dict[str, Any] = {"name": name, "kind": entry.kind, "state": entry.state, "reason": entry.reason,
+                               "since": entry.since, "target": entry.record.address if entry.record else None,
+                               "hostname": info.get("hostname")}
+        gpus = info.get("gpus") or []
+        row["gpus"] = len(gpus)
+        if gpus:
+            row["memory_total"] = sum(int(g["memory_total"]) for g in gpus)
+            row["memory_free"] = sum(int(g["memory_free"]) for g in gpus)
+        else:
+            row["memory_total"] = info.get("ram_total")
+            row["memory_free"] = info.get("ram_available")
+        return row
+
+    def set_local_info(self, info: dict) -> None:
+        self.entries[LOCAL].info = info
