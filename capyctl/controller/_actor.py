@@ -482,6 +482,11 @@ class DeploymentActor:
         if self._watch_task:
             self._watch_task.cancel()
         self.controller.remove_secret_env(self.name)
+        if self.remote and self.controller.hosts.entries.get(self.host) is not None:
+            try:  # the key file on the remote host; an offline host keeps it until it is reused
+                await self.controller.hosts.run(self.host, ["rm", "-f", str(self.controller._secret_path(self.name))])
+            except CapyError as exc:
+                log.warning("deployment %s: could not remove its key file on %s: %s", self.name, self.host, exc)
         return "deleted"
 
     async def _do_adopt(self, unit_state: Any, runtime: Any) -> str:

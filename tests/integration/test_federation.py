@@ -146,6 +146,10 @@ def test_model_on_b_served_through_a_survives_a_cut_link(federation) -> None:
     listed = {d["name"]: d for d in daemon.cli_json("list", "deployments")}
     assert listed["smollm2"]["hosts"] == ["b"] and listed["smollm2"]["state"] == "ready"
     assert "b" in daemon.cli("list", "deployments").stdout.splitlines()[1].split()
+    # The per-launch key file was written through SSH (the rig shares one filesystem, but CapyCTL
+    # writes only on the host the unit runs on), readable by root alone.
+    secret = daemon.root / "state" / "secrets" / "smollm2.env"
+    assert rig.b.exec("stat", "-c", "%a", str(secret)).stdout.strip() == "600"
 
     key = daemon.cli("key", "create", "--name", "fed").stdout.strip()
     assert chat(rig, key, "Say hello.").strip()
@@ -183,5 +187,6 @@ def test_model_on_b_served_through_a_survives_a_cut_link(federation) -> None:
     # Tear down through CapyCTL: the unit on b goes, then the host can be removed.
     daemon.cli("delete", "deployment", "smollm2")
     assert b_unit(rig, "ActiveState") in ("inactive", "")
+    assert not secret.exists()
     daemon.cli("host", "remove", "b")
     assert [h["name"] for h in daemon.cli_json("list", "hosts")] == ["local"]
