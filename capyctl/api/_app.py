@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
 from ..controller import Controller
@@ -36,6 +37,9 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except (CapyError, ManifestError) as exc:
         return _error(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return _error(CapyError(f"the request body is larger than {request.app._client_max_size} bytes",
+                                code="request_too_large", status=413))
     except web.HTTPException:
         raise
     except Exception as exc:  # keep the daemon up; the caller sees a stable code
@@ -48,6 +52,8 @@ async def _body(request: web.Request) -> dict:
         data = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
+    except RequestPayloadError as exc:
+        raise InvalidRequest(f"the body could not be read: {exc}", code="invalid_body") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_json")
     return data

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from ..errors import CapyError
 from . import _systemone
@@ -168,6 +169,11 @@ async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any], str]:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise _too_large() from None
+    except RequestPayloadError as exc:
+        # A body that cannot be decoded (a broken gzip Content-Encoding, a torn chunk) is the
+        # client's fault, not ours.
+        raise CapyError(f"The request body could not be read: {exc}.",
+                        code="invalid_body", status=400) from None
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
