@@ -40,8 +40,12 @@ async def _errors(request: web.Request, handler):
     except web.HTTPRequestEntityTooLarge:
         return _error(CapyError(f"the request body is larger than {request.app._client_max_size} bytes",
                                 code="request_too_large", status=413))
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        # aiohttp's own refusals (no such route, wrong method) in the API's JSON error shape.
+        code = {404: "unknown_route", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        return _error(CapyError(f"{request.method} {request.path}: {exc.reason}", code=code, status=exc.status))
     except Exception as exc:  # keep the daemon up; the caller sees a stable code
         log.exception("management API: %s %s", request.method, request.path)
         return _error(CapyError(f"internal error: {exc!r}"))
@@ -84,6 +88,7 @@ async def create_deployment(request: web.Request) -> web.StreamResponse:
     ctl = request.app[CONTROLLER]
     body = await _body(request)
     spec = _validate(DeploymentSpec, body.get("spec"), "request body: spec")
+    ctl.engine_for(spec)  # an unknown engine is a 400 before anything streams
     activate = bool(body.get("activate"))
     wait = bool(body.get("wait"))
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
