@@ -470,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     _common(p)
     p.set_defaults(func=cmd_key_revoke)
+
+    from ..bench._cli import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 
