@@ -285,8 +285,9 @@ class DeploymentActor:
         self.port = await ctl.lease_port(self.name, self.host)
         self.key = secrets.token_urlsafe(32)
         self.launch_id = secrets.token_hex(8)
+        gpu_indices = list(ctl.memory.gpus_for(self))
         ctx = LaunchContext(deployment=self.spec, engine=engine, model_path=resolved.path, port=self.port,
-                            gpu_indices=[], cpu_threads=ctl.cpu_threads(self.spec, self.host))
+                            gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(self.spec, self.host))
         plan = adapter.build_launch(ctx)
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=resolved.path)
         self.served_model = plan.served_model
@@ -298,7 +299,8 @@ class DeploymentActor:
             argv=plan.argv, environment=environment, environment_file=str(env_file),
             working_directory="/",  # engines need no cwd; state_dir may sit under a PrivateTmp path
             memory_max=self.spec.resources.ram, memory_high=None,
-            cpu_quota=self.spec.resources.cpus, tasks_max=self.spec.resources.tasks_max, devices=[],
+            cpu_quota=self.spec.resources.cpus, tasks_max=self.spec.resources.tasks_max,
+            devices=ctl.gpu_device_nodes(self.host, gpu_indices),
             markers={"deployment": self.name, "revision": str(self.revision.revision), "launch": self.launch_id,
                      "port": str(self.port)})
         self._set(self.state)  # persist launch id and port before the unit exists: adoption needs them

@@ -156,6 +156,19 @@ class Controller:
         return await resolve_model(spec.model, engine_kind=engine.type, models_dir=self.paths.models_dir,
                                    progress=report)
 
+    def gpu_device_nodes(self, host: str, indices: list[int]) -> list[str]:
+        """The /dev/nvidia* nodes a unit on ``host`` may open for these cards (DeviceAllow)."""
+        if not indices:
+            return []
+        if host == LOCAL:
+            from ..hosts import device_nodes
+            return device_nodes(indices)
+        # A remote card's minor number comes from its host-info; the index is the usual fallback.
+        info = self.hosts.get(host).info or {}
+        minors = {int(g["index"]): g.get("minor_number") for g in info.get("gpus") or []}
+        return [f"/dev/nvidia{minors.get(i) if minors.get(i) is not None else i}" for i in indices] + \
+            ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+
     def cpu_threads(self, spec: DeploymentSpec, host: str = LOCAL) -> int | None:
         if spec.resources.cpus:
             return max(1, int(spec.resources.cpus))

@@ -10,7 +10,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..config import DaemonConfig
-from ..scheduler import Candidate, Footprint, HostResources, Ledger, Plan, Request
+from ..scheduler import Candidate, Footprint, GpuCard, HostResources, Ledger, Plan, Request
 from ..scheduler import plan as plan_placement
 from ..spec import parse_size
 
@@ -54,12 +54,19 @@ def footprint(actor: "DeploymentActor") -> Footprint:
                      parked_ram=parked_ram)
 
 
+def _local_gpus() -> tuple[GpuCard, ...]:
+    """This host's cards from NVML; none on a host without NVML (a CPU host)."""
+    from ..hosts import host_inventory
+    return host_inventory().resources().gpus
+
+
 class MemoryPlanner:
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, local_gpus: "tuple[GpuCard, ...] | None" = None) -> None:
         budget = os.environ.get("CAPYCTL_RAM_BUDGET")
         ram_total = parse_size(budget) if budget else _ram_total()
         reserve = 0 if budget else config.host_ram_reserve
-        self.ledger = Ledger([HostResources(name=LOCAL, ram_total=ram_total, ram_reserve=reserve)])
+        gpus = _local_gpus() if local_gpus is None else tuple(local_gpus)
+        self.ledger = Ledger([HostResources(name=LOCAL, ram_total=ram_total, ram_reserve=reserve, gpus=gpus)])
         self._last_plan: tuple[Plan, Request] | None = None
 
     def set_host(self, name: str, resources: HostResources) -> None:
@@ -86,6 +93,11 @@ class MemoryPlanner:
         if self._last_plan and self._last_plan[0].deployment == actor.name:
             return self._last_plan[0].host
         return None
+
+    def gpus_for(self, actor: "DeploymentActor") -> tuple[int, ...]:
+        """The card indices the ledger placed ``actor`` on (empty for a CPU deployment)."""
+        placed = self.ledger.get(actor.name)
+        return placed.gpus if placed is not None else ()
 
     def charge(self, actor: "DeploymentActor") -> None:
         if self._last_plan and self._last_plan[0].deployment == actor.name:
