@@ -135,13 +135,9 @@ def _logging() -> None:
     logging.basicConfig(level=level, format=fmt, stream=sys.stderr)
 
 
-def run_standalone(*, listen: str | None = None, no_auth: bool = False, bus_address: str | None = None) -> int:
+def _run(config: DaemonConfig, *, no_auth: bool) -> int:
     _logging()
-    config = DaemonConfig(bus_address=bus_address)
-    if listen:
-        config.listen = listen
-    elif os.environ.get("CAPYCTL_LISTEN"):
-        config.listen = os.environ["CAPYCTL_LISTEN"]
+    # Sockets passed by systemd (capyctl.socket, capyctl-api.socket) win over binding our own.
     sockets = listen_sockets_from_systemd()
     try:
         asyncio.run(_main(config, no_auth=no_auth, sockets=sockets))
@@ -151,14 +147,13 @@ def run_standalone(*, listen: str | None = None, no_auth: bool = False, bus_addr
     return 0
 
 
+def run_standalone(*, listen: str | None = None, no_auth: bool = False, bus_address: str | None = None) -> int:
+    """``capyctl start standalone``: binds HOST:PORT and the API socket itself unless systemd passed them."""
+    config = DaemonConfig(bus_address=bus_address)
+    config.listen = listen or os.environ.get("CAPYCTL_LISTEN") or config.listen
+    return _run(config, no_auth=no_auth)
+
+
 def run_service(*, bus_address: str | None = None) -> int:
     """The system service: sockets come from capyctl.socket and capyctl-api.socket."""
-    _logging()
-    sockets = listen_sockets_from_systemd()
-    config = DaemonConfig(bus_address=bus_address)
-    try:
-        asyncio.run(_main(config, no_auth=False, sockets=sockets))
-    except CapyError as exc:
-        log.error("%s", exc)
-        return 1
-    return 0
+    return _run(DaemonConfig(bus_address=bus_address), no_auth=False)
