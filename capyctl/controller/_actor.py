@@ -343,12 +343,16 @@ class DeploymentActor:
             if now - last_note >= 5:
                 progress(f"waiting for the engine's health check ({now - began:.0f}s)")
                 last_note = now
-            # The exit watcher wakes this loop at once; otherwise back off gently.
+            # The exit watcher wakes this loop at once. A loopback health probe costs about a
+            # millisecond, so poll every 50 ms while a wake is young (every poll interval is added
+            # to the wake latency: backing off to 0.5 s cost ~0.5 s per wake, benchmarks/
+            # wake_vs_manual.py), and back off only for long loads of big models.
             try:
                 await asyncio.wait_for(self._unit_exited.wait(), timeout=delay)
             except asyncio.TimeoutError:
                 pass
-            delay = min(delay * 1.5, 0.5)
+            if now - began > 30:
+                delay = min(delay * 1.5, 0.5)
 
     reason_code: str | None = None
 
