@@ -67,3 +67,35 @@ def test_bad_key_and_unknown_model(capyhost, smollm2):
         good.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     # A deployment that was never activated is stopped: no unit until the first request.
     assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "stopped"
+
+
+def test_metrics_logs_and_a_new_revision(capyhost, smollm2):
+    import urllib.request
+
+    path = capyhost.write_manifest("smollm2", manifest(smollm2))
+    capyhost.cli("deploy", "model", "--file", str(path), "--activate", "--wait")
+    key = capyhost.create_key()
+    client = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+    assert chat(client, "Say hello.").choices[0].message.content
+    capyhost.cli("park", "deployment", "smollm2")
+    assert chat(client, "Say hello.").choices[0].message.content
+
+    req = urllib.request.Request(capyhost.base_url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    metrics = urllib.request.urlopen(req, timeout=10).read().decode()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in metrics.splitlines() if line and not line.startswith("#")}
+    assert samples['capyctl_wakes_total{deployment="smollm2"}'] == 2
+    assert samples['capyctl_parks_total{deployment="smollm2"}'] == 1
+    assert sum(v for k, v in samples.items()
+               if k.startswith("capyctl_requests_total") and 'status="200"' in k and "chat" in k) == 2
+
+    # journalctl -u capyctl-smollm2, through the daemon
+    logs = capyhost.cli("logs", "deployment", "smollm2", "-n", "200").stdout
+    assert "llama_server" in logs or "main: server is listening" in logs or "listening" in logs
+
+    # A changed manifest is a new revision; the running unit is replaced by one of that revision.
+    capyhost.cli("deploy", "model", "--file", str(capyhost.write_manifest("smollm2", manifest(smollm2, "queue: 8\n"))))
+    status = capyhost.cli_json("status", "deployment", "smollm2")
+    assert status["revision"] == 2 and status["state"] == "ready"
+    assert capyhost.unit_property(UNIT, "Description") == "CapyCTL deployment smollm2 (rev 2, llama.cpp)"
+    assert chat(client, "Say hello.").choices[0].message.content
