@@ -87,6 +87,9 @@ class DeploymentActor:
         self._idle.set()
         self._unit_exited = asyncio.Event()
         self._watch_task: asyncio.Task | None = None
+        # A deployment with nodes > 1 is a group of units, one per host (see _members.py).
+        self.group: Any = None
+        self._group_watch: asyncio.Task | None = None
         self._expect_exit = False
         self._task = asyncio.create_task(self._run(), name=f"deployment:{self.name}")
 
@@ -237,6 +240,8 @@ class DeploymentActor:
             return self.state
         if self.state == FAILED and time.monotonic() - self.failed_at < self._backoff():
             raise Unavailable(f"failed: {self.reason}", code="deployment_failed")
+        if self.spec.nodes > 1:
+            return await self._wake_group(progress)
         started = time.monotonic()
         try:
             await self.controller.make_room(self, progress)
@@ -423,6 +428,8 @@ class DeploymentActor:
     async def _do_park(self, evicting: bool = False, reason: str | None = None, in_place_ok: bool = True) -> str:
         if self.spec.park == "never" and evicting:
             raise Busy(f"deployment {self.name!r} has park: never", code="park_never")
+        if self.group is not None:
+            return await self._park_group(evicting, reason)
         if self.state == PARKED and self.parked_in_place and not in_place_ok:
             await self._stop_unit()  # its weights held host RAM that another deployment needs
             self.parked_in_place = False
@@ -469,6 +476,8 @@ class DeploymentActor:
             self._watch_task.cancel()
 
     async def _do_stop(self) -> str:
+        if self.group is not None:
+            await self._stop_group()
         if self.state in (STOPPED,):
             return self.state
         if self.state in (READY, STARTING, WAKING, PARKED, FAILED):
@@ -526,6 +535,94 @@ class DeploymentActor:
         self._set(READY)
         return self.state
 
+    # -- multi-node groups ------------------------------------------------------------------------
+
+    async def _wake_group(self, progress: Progress) -> str:
+        """Start (head first) or wake the group; the head's API is this deployment's upstream.
+        Group members are not budgeted by the scheduler: they are placed by ``hosts``."""
+        from ._group import FAILED as GROUP_FAILED
+        from ._group import PARKED as GROUP_PARKED
+        from ._group import ModelGroup
+        from ._members import UnitMembers, group_members
+
+        started = time.monotonic()
+        try:
+            if self.group is None or self.group.state == GROUP_FAILED:
+                members = group_members(self)
+                head = members[0].host
+                self.members = UnitMembers(self)
+                in_place = self.controller.adapter(self.spec).park_method(self.spec) == "in_place"
+                self.group = ModelGroup(
+                    self.name, self.controller.engine_kind(self.spec), members, self.members,
+                    dist_port=await self.controller.hosts.free_port(head, set()),
+                    park_in_place=in_place and self.spec.park == "auto",
+                    start_timeout=self.spec.timeouts.start, stop_timeout=self.spec.timeouts.stop)
+            self.host = self.group.head.member.host
+            if self.group.state == GROUP_PARKED and self.group.park_in_place:
+                self._set(WAKING)
+                progress("waking the group through its head")
+                await asyncio.wait_for(self.group.wake(), timeout=self.spec.timeouts.wake)
+            else:
+                self.launch_id = secrets.token_hex(8)
+                self._set(STARTING if self.state in (STOPPED, FAILED) else WAKING)
+                progress(f"starting {len(self.group.launches)} members, the head on host {self.host}")
+                await self.group.start()
+            self.port = self.members.ports[0]
+            self.local_port = self.members.head_local_port
+        except asyncio.TimeoutError:
+            await self._fail("wake_timeout", f"the group did not wake within {self.spec.timeouts.wake:.0f}s")
+            raise Unavailable(f"deployment {self.name!r} did not wake in time", code="wake_timeout")
+        except CapyError as exc:
+            self._unit_exited.set()  # the group stopped its members itself
+            await self._fail(exc.code, exc.message)
+            raise
+        self.parked_in_place = False
+        if self._group_watch is None or self._group_watch.done():
+            self._group_watch = asyncio.create_task(self._watch_group(self.group), name=f"group:{self.name}")
+        self.failures = 0
+        self.wakes += 1
+        self._set(READY)
+        progress(f"ready in {time.monotonic() - started:.1f}s")
+        return self.state
+
+    async def _watch_group(self, group: Any) -> None:
+        failure = await group.wait_failed()
+        if group is self.group:
+            self._unit_exited.set()
+            self.submit("unit_exited", code=failure.code, message=failure.message)
+
+    async def _park_group(self, evicting: bool, reason: str | None) -> str:
+        if self.state != READY:
+            return self.state
+        self._set(PARKING, reason)
+        try:
+            await self._drain(self.spec.timeouts.park, evicting=evicting)
+        except Busy:
+            self._set(READY)
+            raise
+        if self.group.park_in_place:
+            await asyncio.wait_for(self.group.park(), timeout=self.spec.timeouts.park)
+        else:
+            await self._stop_group(keep=True)
+        self.parked_in_place = self.group is not None and self.group.park_in_place
+        self.parks += 1
+        self._set(PARKED, reason)
+        return self.state
+
+    async def _stop_group(self, keep: bool = False) -> None:
+        """Stop every member; ``keep`` keeps the group (parked by stop: the next wake starts it again)."""
+        group = self.group
+        if not keep:
+            self.group = None
+        if self._group_watch is not None:
+            self._group_watch.cancel()
+            self._group_watch = None
+        await group.stop()
+        if keep:
+            from ._group import PARKED as GROUP_PARKED
+            group.state = GROUP_PARKED
+        self._unit_exited.set()
+
     # -- reporting --------------------------------------------------------------------------------
 
     def describe(self) -> dict:
@@ -534,7 +631,8 @@ class DeploymentActor:
             "name": self.name, "state": self.state, "reason": self.reason, "revision": self.revision.revision,
             "engine": spec.engine, "unit": self.unit, "model": self._model_label(),
             "model_commit": self.model_commit, "port": self.port if self.state in RUNNING_STATES else None,
-            "hosts": [self.host] if self.launch_id or not spec.hosts else spec.hosts,
+            "hosts": spec.hosts[:spec.nodes] if spec.nodes > 1
+            else [self.host] if self.launch_id or not spec.hosts else spec.hosts,
             "host_state": self._host_state(), "in_flight": self.in_flight, "waiting": self.waiting,
             "last_used": self.last_used or None, "parked_in_place": self.parked_in_place,
             "wakes": self.wakes, "parks": self.parks, "aliases": spec.aliases,

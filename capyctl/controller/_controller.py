@@ -79,8 +79,10 @@ class Controller:
             unit = units.pop(actor.unit, None)
             runtime = self.store.get_runtime(name)
             was_placed = actor.state in RUNNING_STATES or actor.parked_in_place
+            # Multi-node groups are not adopted: their members are restarted on the next request.
             if unit is not None and unit.active_state in ("active", "activating", "reloading") and runtime \
-                    and runtime.launch_id and unit.markers.get("launch") == runtime.launch_id:
+                    and runtime.launch_id and unit.markers.get("launch") == runtime.launch_id \
+                    and actor.spec.nodes == 1:
                 adopting.append(actor.submit("adopt", unit_state=unit, runtime=runtime))
             else:
                 if unit is not None and unit.active_state == "failed":

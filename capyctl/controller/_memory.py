@@ -77,6 +77,8 @@ class MemoryPlanner:
              hosts: tuple[str, ...] = (LOCAL,)):
         """Victims to evict before ``actor`` can start on one of ``hosts``: [(actor, "park" | "stop")].
         Raises NoRoom. ``planned_host`` tells where the plan puts it."""
+        if actor.spec.nodes > 1:
+            return []
         for other in actors:
             self.observe(other)
         hosts = tuple(h for h in hosts if h in self.ledger.hosts) or hosts
@@ -100,6 +102,8 @@ class MemoryPlanner:
         return placed.gpus if placed is not None else ()
 
     def charge(self, actor: "DeploymentActor") -> None:
+        if actor.spec.nodes > 1:
+            return
         if self._last_plan and self._last_plan[0].deployment == actor.name:
             plan, request = self._last_plan
             self.ledger.apply(plan, request)
@@ -107,6 +111,8 @@ class MemoryPlanner:
 
     def observe(self, actor: "DeploymentActor") -> None:
         """Keep the ledger's state of ``actor`` equal to the actor's."""
+        if actor.spec.nodes > 1:
+            return  # multi-node groups are placed by their manifest's hosts, not budgeted here
         placed = self.ledger.get(actor.name)
         state = actor.state
         if placed is None:

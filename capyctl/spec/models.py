@@ -95,6 +95,8 @@ class DeploymentSpec(_Strict):
     resources: Resources = Field(default_factory=Resources)
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs one model instance spans on one host.")
     hosts: list[str] = Field(default_factory=list, description="Hosts to run on; empty lets the scheduler choose.")
+    nodes: int = Field(default=1, ge=1, le=16, description="Machines one model instance spans through the engine's "
+                       "multi-node mode (vLLM, SGLang): one member on each of the first `nodes` hosts, head first.")
     engine_args: list[str] = Field(default_factory=list, description="Extra arguments appended to the engine's command line.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
     park: Literal["auto", "stop", "never"] = Field(default="auto", description="auto: the engine's own park if it has one, else stop; stop: always stop; never: never parked or evicted.")
@@ -134,6 +136,9 @@ class DeploymentSpec(_Strict):
             raise ValueError(
                 f"tensor_parallel is {self.tensor_parallel} but resources.gpus is {self.resources.gpus}: "
                 "each tensor-parallel rank needs its own GPU")
+        if self.nodes > 1 and len(self.hosts) < self.nodes:
+            raise ValueError(f"nodes is {self.nodes} but hosts names {len(self.hosts)}: "
+                             "a multi-node deployment lists the hosts its members run on, head first")
         if self.resources.gpu_memory is not None and self.resources.gpus == 0:
             raise ValueError("resources.gpu_memory is set but resources.gpus is 0")
         return self

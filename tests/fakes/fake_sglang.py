@@ -13,8 +13,10 @@ running: with one in flight they answer 500 with the assertion message (counted 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -94,13 +96,54 @@ class FakeSglang(FakeEngine):
         return web.json_response({"success": True, "message": "Succeeded to resume memory occupation."})
 
 
+class FakeSglangHead(FakeSglang):
+    """Rank 0 of a multi-node group (``--nnodes N --node-rank 0 --dist-init-addr HEAD:PORT``):
+    the HTTP API plus the rendezvous port workers join (fake_multinode's protocol); /health is
+    503 until every rank has joined, as SGLang's head only serves once the group is complete."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        from fake_multinode import Head
+        self.group = Head(args)
+
+    async def health(self, request: web.Request) -> web.Response:
+        joined = len(self.group.joined)
+        return web.Response(status=200 if joined == self.group.args.nnodes else 503,
+                            text=f"{joined}/{self.group.args.nnodes} ranks joined")
+
+    def app(self) -> web.Application:
+        app = super().app()
+
+        async def rendezvous(app: web.Application):
+            from fake_multinode import split_addr
+            host, port = split_addr(self.group.args.dist_init_addr)
+            server = await asyncio.start_server(self.group.on_worker, host, port)
+            yield
+            server.close()
+
+        app.cleanup_ctx.append(rendezvous)
+        return app
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", "--model-path", dest="model", required=True)
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--tp", "--tp-size", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    # SGLang's multi-node launch: the same --nnodes and --dist-init-addr on every node.
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--dist-init-addr", default=None)
+    parser.add_argument("--join-timeout", type=float, default=10.0)
     common_arguments(parser, default_key_env=None)
     args, _unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.nnodes > 1:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        if args.node_rank > 0:  # a worker serves no HTTP: it joins the head and lives with it
+            from fake_multinode import run_worker
+            sys.exit(asyncio.run(run_worker(args)))
+        serve(FakeSglangHead(args), args.host, args.port, args.startup_delay)
+        return
     serve(FakeSglang(args), args.host, args.port, args.startup_delay)
 
 

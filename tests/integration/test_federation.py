@@ -190,3 +190,83 @@ def test_model_on_b_served_through_a_survives_a_cut_link(federation) -> None:
     assert not secret.exists()
     daemon.cli("host", "remove", "b")
     assert [h["name"] for h in daemon.cli_json("list", "hosts")] == ["local"]
+
+
+def test_a_model_spanning_two_machines_runs_parks_and_fails_as_one(federation) -> None:
+    """nodes: 2 over hosts a and b: one SGLang member per host, head first (the fake SGLang
+    follows SGLang's multi-node launch: the head serves only once every rank has joined)."""
+    rig, daemon = federation
+    unit = "capyctl-grp.service"
+    try:
+        _run_group_scenario(rig, daemon, unit)
+    finally:
+        for label, host in (("a", rig.a), ("b", rig.b)):
+            print(f"--- {unit} on {label} ---")
+            print(host.exec("journalctl", "-u", unit, "-n", "40", "--no-pager", check=False).stdout)
+
+
+def _run_group_scenario(rig: TwoHostRig, daemon: FederatedDaemon, unit: str) -> None:
+    from tests.fakes import make_fake_sglang_venv
+
+    for name, host in (("ga", rig.a), ("gb", rig.b)):
+        daemon.cli("host", "add", name, "--ssh", f"root@{host.address}", "--identity", str(rig.client_key),
+                   "--known-hosts", str(rig.known_hosts))
+    daemon.cli("engine", "add", str(make_fake_sglang_venv(daemon.root / "sglang-venv")), "--name", "sgl")
+    model = daemon.root / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    manifest = daemon.root / "grp.yaml"
+    manifest.write_text(f"name: grp\nengine: sgl\nmodel: {{path: {model}}}\nhosts: [ga, gb]\nnodes: 2\n")
+    daemon.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+
+    def units() -> tuple[str, str]:
+        return tuple(h.exec("systemctl", "show", "-P", "ActiveState", unit, check=False).stdout.strip()
+                     for h in (rig.a, rig.b))
+
+    assert units() == ("active", "active")
+    assert "rank 0 of 2" in rig.a.exec("systemctl", "show", "-P", "Description", unit).stdout
+    assert "rank 1 of 2" in rig.b.exec("systemctl", "show", "-P", "Description", unit).stdout
+    status = daemon.cli_json("status", "deployment", "grp")
+    assert status["state"] == "ready" and status["hosts"] == ["ga", "gb"]
+
+    key = daemon.cli("key", "create", "--name", "grp").stdout.strip()
+
+    def ask() -> str:
+        with rig.a.entered():
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{PROXY_PORT}/v1", api_key=key, max_retries=0,
+                                   timeout=60)
+            answer = client.chat.completions.create(model="grp", max_tokens=4,
+                                                    messages=[{"role": "user", "content": "hi"}])
+        return answer.choices[0].message.content
+
+    assert "fake-sglang" in ask()
+
+    # Park in place through the head's API (SGLang releases memory on every rank): members stay.
+    parked = daemon.cli_json("park", "deployment", "grp")
+    assert parked["state"] == "parked" and parked["parked_in_place"]
+    assert units() == ("active", "active")
+    assert ask()  # woken through the head
+    assert daemon.cli_json("status", "deployment", "grp")["state"] == "ready"
+
+    # A worker that dies fails the whole group: the head is stopped too, and the reason names it.
+    rig.b.exec("systemctl", "kill", "--signal=KILL", unit)
+    deadline = time.monotonic() + 60
+    while daemon.cli_json("status", "deployment", "grp")["state"] != "failed":
+        assert time.monotonic() < deadline, daemon.journal()
+        time.sleep(0.5)
+    reason = daemon.cli_json("status", "deployment", "grp")["reason"]
+    assert "group_member_failed" in reason and "'gb'" in reason and "rank 1" in reason, reason
+    assert units()[0] in ("inactive", "failed", "")
+
+    # After the restart backoff, the next request starts the group again, head first.
+    time.sleep(2.5)
+    assert ask()
+    assert units() == ("active", "active")
+
+    secrets = daemon.root / "state" / "secrets"
+    assert sorted(p.name for p in secrets.glob("grp*")) == ["grp.rank0.env", "grp.rank1.env"]
+    daemon.cli("delete", "deployment", "grp")
+    assert all(state in ("inactive", "failed", "") for state in units())
+    assert list(secrets.glob("grp*")) == []
+    for name in ("ga", "gb"):
+        daemon.cli("host", "remove", name)

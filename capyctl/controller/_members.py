@@ -1,0 +1,143 @@
+"""The controller's MemberDriver: each member of a multi-node group is a transient unit
+``capyctl-<deployment>.service`` in its own host's systemd (local, or over SSH).
+
+The head (rank 0) serves the API on its host's loopback, reached through an SSH-forwarded
+port like any remote engine; workers serve nothing and only join the head's rendezvous port,
+which listens on the head host's address so the other hosts can reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+from typing import TYPE_CHECKING
+
+from ..errors import CapyError
+from ._group import GroupMember, MemberLaunch
+from ._hosts import LOCAL, parse_target
+
+if TYPE_CHECKING:
+    from ._actor import DeploymentActor
+
+
+def member_address(ctl, host: str) -> str:
+    """The address other hosts reach ``host`` at: its SSH address, or for the local host the
+    one given in CAPYCTL_ADVERTISE_ADDRESS."""
+    if host == LOCAL:
+        address = os.environ.get("CAPYCTL_ADVERTISE_ADDRESS")
+        if not address:
+            raise CapyError("a multi-node member on the local host needs CAPYCTL_ADVERTISE_ADDRESS, the address "
+                            "the other hosts reach this one at", code="advertise_address_missing", status=400)
+        return address
+    record = ctl.hosts.get(host).record
+    return parse_target(record.address)[1]
+
+
+def group_members(actor: "DeploymentActor") -> list[GroupMember]:
+    return [GroupMember(h, member_address(actor.controller, h)) for h in actor.spec.hosts[:actor.spec.nodes]]
+
+
+class UnitMembers:
+    """MemberDriver over systemd units; one per deployment, owned by its actor."""
+
+    def __init__(self, actor: "DeploymentActor") -> None:
+        self.actor = actor
+        self.ports: dict[int, int] = {}  # rank -> engine port on its host
+        self.head_local_port: int | None = None  # the head's API, reachable from the daemon
+
+    @property
+    def ctl(self):
+        return self.actor.controller
+
+    def unit_state_key(self, launch: MemberLaunch) -> str:
+        return f"{self.actor.name}#rank{launch.rank}"
+
+    def secret_name(self, launch: MemberLaunch) -> str:
+        return f"{self.actor.name}.rank{launch.rank}"
+
+    async def start(self, launch: MemberLaunch) -> None:
+        from ..engines import LaunchContext
+        from ..systemd import TransientUnit
+
+        actor, ctl, host = self.actor, self.ctl, launch.member.host
+        engine = ctl.engine_for(actor.spec)
+        adapter = ctl.adapter(actor.spec)
+        systemd = ctl.hosts.systemd(host)
+        existing = await systemd.unit_state(actor.unit)
+        if existing is not None and existing.is_running:
+            await systemd.stop_unit(actor.unit, actor.spec.timeouts.stop)  # a member a dead daemon left behind
+        port = await ctl.lease_port(self.unit_state_key(launch), host)
+        self.ports[launch.rank] = port
+        resolved = await ctl.resolve_model(actor.spec, engine, lambda _m: None)
+        ctx = LaunchContext(deployment=actor.spec, engine=engine, model_path=resolved.path, port=port,
+                            cpu_threads=ctl.cpu_threads(actor.spec, host))
+        plan = adapter.build_launch(ctx)
+        if launch.is_head:
+            actor.key = secrets.token_urlsafe(32)
+            actor.model_path = resolved.path
+            actor.capabilities = adapter.capabilities(engine, deployment=actor.spec, model_path=resolved.path)
+            actor.served_model = plan.served_model
+        # One key file per member: hosts may share a filesystem, and one member's write must never
+        # truncate a file another member's systemd is reading at exec time.
+        env_file = await ctl.write_secret_env_on(host, self.secret_name(launch), plan.secret_file_environment(actor.key))
+        unit = TransientUnit(
+            name=actor.unit,
+            description=(f"CapyCTL deployment {actor.name} (rev {actor.revision.revision}, {engine.type}, "
+                         f"rank {launch.rank} of {launch.nnodes})"),
+            argv=[*plan.argv, *launch.flags], environment={**plan.environment, **actor.spec.env},
+            environment_file=str(env_file), working_directory="/",
+            memory_max=actor.spec.resources.ram, cpu_quota=actor.spec.resources.cpus,
+            tasks_max=actor.spec.resources.tasks_max,
+            markers={"deployment": actor.name, "revision": str(actor.revision.revision),
+                     "launch": actor.launch_id or "", "port": str(port), "rank": str(launch.rank)})
+        await systemd.start_transient(unit)
+
+    async def stop(self, launch: MemberLaunch) -> None:
+        host = launch.member.host
+        if launch.is_head and self.head_local_port is not None and host != LOCAL:
+            with contextlib.suppress(CapyError):
+                await self.ctl.hosts.cancel_forward(host, self.head_local_port)
+            self.head_local_port = None
+        with contextlib.suppress(CapyError):
+            await self.ctl.hosts.systemd(host).stop_unit(self.actor.unit, self.actor.spec.timeouts.stop)
+        self.ctl.release_port(self.unit_state_key(launch))
+        with contextlib.suppress(CapyError):  # the member's key file goes with it
+            await self.ctl.hosts.run(host, ["rm", "-f", str(self.ctl._secret_path(self.secret_name(launch)))])
+
+    async def accepting(self, launch: MemberLaunch) -> bool:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(launch.head_address, launch.dist_port), 2)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        return True
+
+    async def _head_url(self, launch: MemberLaunch) -> str:
+        host, port = launch.member.host, self.ports[launch.rank]
+        if host == LOCAL:
+            return f"http://127.0.0.1:{port}"
+        if self.head_local_port is None:
+            self.head_local_port = await self.ctl.hosts.forward_port(host, port)
+        return f"http://127.0.0.1:{self.head_local_port}"
+
+    async def healthy(self, launch: MemberLaunch) -> bool:
+        url = await self._head_url(launch)
+        return await self.ctl.adapter(self.actor.spec).health(self.ctl.http, url, self.actor.key)
+
+    async def wait_exit(self, launch: MemberLaunch) -> str:
+        from ..systemd import failure_message
+        systemd = self.ctl.hosts.systemd(launch.member.host)
+        async for st in systemd.watch(self.actor.unit):
+            if st.active_state in ("failed", "inactive"):
+                return failure_message(st)
+        return "its unit disappeared"
+
+    async def park(self, launch: MemberLaunch) -> None:
+        adapter = self.ctl.adapter(self.actor.spec)
+        await adapter.park(self.ctl.http, await self._head_url(launch), self.actor.key, self.actor.spec.park_level)
+
+    async def wake(self, launch: MemberLaunch) -> None:
+        adapter = self.ctl.adapter(self.actor.spec)
+        await adapter.wake(self.ctl.http, await self._head_url(launch), self.actor.key, self.actor.spec.park_level)
