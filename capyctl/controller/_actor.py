@@ -42,6 +42,13 @@ def _no_progress(_: str) -> None:
     pass
 
 
+def new_engine_key() -> str:
+    """A per-launch engine key. Hex, not urlsafe base64: a key that starts with "-" (one launch in
+    64) is read by the engines' argparse (SGLang's and vLLM's --api-key) as an option, and the
+    engine exits with status 2."""
+    return secrets.token_hex(32)
+
+
 class Busy(CapyError):
     code = "deployment_busy"
     status = 409
@@ -288,7 +295,7 @@ class DeploymentActor:
             self.model_commit = resolved.revision
         await self._drop_forward()
         self.port = await ctl.lease_port(self.name, self.host)
-        self.key = secrets.token_urlsafe(32)
+        self.key = new_engine_key()
         self.launch_id = secrets.token_hex(8)
         gpu_indices = list(ctl.memory.gpus_for(self))
         ctx = LaunchContext(deployment=self.spec, engine=engine, model_path=resolved.path, port=self.port,

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 from typing import TYPE_CHECKING
 
 from ..errors import CapyError
+from ._actor import new_engine_key
 from ._group import GroupMember, MemberLaunch
 from ._hosts import LOCAL, parse_target
 
@@ -75,7 +75,7 @@ class UnitMembers:
                             cpu_threads=ctl.cpu_threads(actor.spec, host))
         plan = adapter.build_launch(ctx)
         if launch.is_head:
-            actor.key = secrets.token_urlsafe(32)
+            actor.key = new_engine_key()
             actor.model_path = resolved.path
             actor.capabilities = adapter.capabilities(engine, deployment=actor.spec, model_path=resolved.path)
             actor.served_model = plan.served_model

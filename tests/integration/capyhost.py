@@ -106,7 +106,9 @@ class CapyHost:
         self.sh("systemctl", "stop", "capytest-daemon.service", check=False)
 
     def daemon_journal(self, lines: int = 80) -> str:
-        return self.sh("journalctl", "-u", "capytest-daemon.service", "-n", str(lines), "--no-pager", check=False).stdout
+        """The daemon's journal and its engine units', for a failing test's output."""
+        return self.sh("journalctl", "-u", "capytest-daemon.service", "-u", "capyctl-*.service", "-n", str(lines),
+                       "--no-pager", check=False).stdout
 
     def daemon_pid(self) -> int:
         return int(self.sh("systemctl", "show", "-P", "MainPID", "capytest-daemon.service").stdout.strip())
