@@ -96,13 +96,17 @@ async def one_stream(http: aiohttp.ClientSession, url: str, key: str, tokens: in
     return first - started, (chunks - 1) / (end - first) if end > first else float("nan"), chunks
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def load_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The load and engine options every proxy benchmark takes."""
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--llama-server", default=os.environ.get("CAPYCTL_TEST_LLAMA_SERVER", DEFAULT_BINARY))
-    args = parser.parse_args()
+    return parser
+
+
+async def main() -> None:
+    args = load_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
 
     port, launch_key = free_port(), secrets.token_hex(16)
     engine = subprocess.Popen([args.llama_server, "-m", find_model(), "--host", "127.0.0.1", "--port", str(port),

@@ -31,7 +31,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proxy_overhead import (CLIENT_KEY, DEFAULT_BINARY, find_model, free_port, one_request,  # noqa: E402
+from proxy_overhead import (CLIENT_KEY, find_model, free_port, load_arguments, one_request,  # noqa: E402
                             one_stream, p95)
 
 NGINX_CONF = """\
@@ -85,11 +85,7 @@ async def wait_healthy(http: aiohttp.ClientSession, url: str, what: str, path: s
 
 
 async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=60)
-    parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--llama-server", default=os.environ.get("CAPYCTL_TEST_LLAMA_SERVER", DEFAULT_BINARY))
+    parser = load_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--nginx")
     args = parser.parse_args()
     nginx = find_nginx(args.nginx)

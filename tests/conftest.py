@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import uuid
 from typing import Callable, Iterator
 
 import pytest
@@ -41,3 +44,17 @@ def sandbox_factory() -> Iterator[Callable[..., Sandbox]]:
 def sandbox(sandbox_factory: Callable[..., Sandbox]) -> Sandbox:
     """One freshly booted systemd sandbox (see tests/sandbox/capy-sandbox)."""
     return sandbox_factory()
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A network namespace of the test's own, with loopback up; deleted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create network namespaces")
+    name = f"capytest-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=True)

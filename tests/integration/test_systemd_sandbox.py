@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -69,20 +68,6 @@ def test_same_name_twice_is_refused(sandbox_factory) -> None:
     with pytest.raises(Exception, match="already running"):
         Sandbox(sb.name).start()
     assert sb.run(["systemctl", "is-system-running"]).stdout.strip() in ("running", "degraded")
-
-
-@pytest.fixture
-def netns():
-    """A network namespace of this test's own, with loopback up; deleted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    name = f"capysbt-{uuid.uuid4().hex[:6]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=True)
 
 
 def test_sandbox_inside_a_network_namespace(sandbox_factory, netns: str) -> None:

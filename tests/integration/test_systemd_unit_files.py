@@ -9,7 +9,6 @@ import stat
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -40,19 +39,6 @@ def test_sysusers_and_tmpfiles_create_user_and_directories(tmp_path: Path) -> No
     assert stat.S_IMODE((root / "var/lib/capyctl/secrets").stat().st_mode) == 0o700
     runtime = (root / "run/capyctl").stat()
     assert stat.S_IMODE(runtime.st_mode) == 0o750 and runtime.st_gid == gid
-
-
-@pytest.fixture
-def netns():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
-    name = f"capyunit-{uuid.uuid4().hex[:6]}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=True)
 
 
 def install_units(sb: Sandbox) -> None:
