@@ -36,6 +36,21 @@ class LaunchContext:
     cpu_threads: int | None = None
     # A host may opt out of development controls (vLLM dev mode, SGLang memory saver); park = stop then.
     dev_controls: bool = True
+    # Where the engine serves instead of host:port, for adapters whose ``unix_socket`` is True:
+    # a socket in a 0700 directory only CapyCTL (root) can enter, so no other local user reaches
+    # the engine's routes (vLLM's key does not guard its development routes). None: TCP.
+    socket_path: str | None = None
+    # The share of each planned card's total memory this deployment may take, from the plan
+    # (vLLM --gpu-memory-utilization, SGLang --mem-fraction-static). None: the engine's default.
+    gpu_memory_fraction: float | None = None
+    # How many hosts one model instance spans (multi-node groups). vLLM and SGLang read the
+    # tensor-parallel size as the total across nodes; each node holds tensor_parallel / nnodes.
+    nnodes: int = 1
+
+    @property
+    def accelerated(self) -> bool:
+        """Whether this launch has GPUs. vLLM's sleep mode exists only on CUDA, ROCm and XPU."""
+        return bool(self.gpu_indices)
 
     @property
     def key_ref(self) -> str:
@@ -59,6 +74,9 @@ class LaunchPlan:
     health_path: str
     served_model: str | None
     key_env: str = DEFAULT_KEY_ENV
+    # The unix socket the engine will serve on (the context's socket_path, when the adapter used
+    # it); None when it serves on TCP at the context's host and port.
+    socket_path: str | None = None
 
     def secret_file_environment(self, key: str) -> dict[str, str]:
         """The variables of the 0600 environment file: the key under ``key_env`` and every engine name for it."""
@@ -138,6 +156,9 @@ class EngineAdapter(ABC):
 
     kind: ClassVar[str]
     health_path: ClassVar[str] = "/health"
+    # Whether the engine can serve HTTP on a unix socket (then the controller gives every local
+    # launch a LaunchContext.socket_path and the adapter must bind there, not to host:port).
+    unix_socket: ClassVar[bool] = False
     # Capabilities every engine of this kind has; a registration's explicit list adds to them.
     base_capabilities: ClassVar[frozenset[str]] = frozenset({"chat", "completions"})
 

@@ -32,6 +32,9 @@ class Upstream:
     # chat, completions, embeddings, systemone (served natively), logprobs, tools
     capabilities: frozenset[str] = field(default_factory=frozenset)
     served_model: str | None = None  # the model name the engine itself expects in the body, if it differs
+    # When set, the engine serves on this unix socket (base_url's host is then only a label):
+    # connect there instead of TCP.
+    unix_socket: str | None = None
 
 
 class Router(Protocol):
