@@ -73,8 +73,16 @@ def multinode_flags(engine: str, *, nnodes: int, rank: int, head_address: str, d
         raise CapyError(f"rank {rank} of a {nnodes}-node group is not valid", code="invalid_topology", status=400)
     host = f"[{head_address}]" if ":" in head_address else head_address
     if engine in ("sglang", "fake_multinode"):
+        # SGLang 0.5.23: sglang/srt/arg_groups/fields/parallel.py (--nnodes, --node-rank,
+        # --dist-init-addr); the address is parsed by utils/network.py NetworkAddress.parse, which
+        # needs IPv6 bracketed. The adapter passes --tp-size as the total across the nodes.
         return ["--nnodes", str(nnodes), "--node-rank", str(rank), "--dist-init-addr", f"{host}:{dist_port}"]
     if engine == "vllm":
+        # vLLM 0.32.0: vllm/engine/arg_utils.py (--nnodes, --node-rank, --master-addr, --master-port;
+        # nnodes > 1 needs the default mp backend), vllm/entrypoints/launchers/cli_args.py (--headless,
+        # honoured only by `vllm serve`, entrypoints/cli/serve.py run_headless: the vLLM adapter
+        # launches group members that way). The address goes unbracketed: vLLM brackets an IPv6
+        # master_addr itself (utils/network_utils.py get_tcp_uri).
         flags = ["--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", head_address,
                  "--master-port", str(dist_port)]
         return flags + (["--headless"] if rank else [])

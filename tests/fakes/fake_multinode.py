@@ -11,7 +11,9 @@ This fake keeps that shape without torch or a GPU:
   head answers ``OK\\n`` and keeps the connection; a lost worker connection un-registers it;
 - the head's ``GET /health`` is 200 only while all ``nnodes`` ranks are joined, 503 before;
   ``GET /fake/members`` lists the joined ranks; ``POST /release_memory_occupation`` and
-  ``/resume_memory_occupation`` flip a released flag (SGLang's park API) that /health reports;
+  ``/resume_memory_occupation`` (SGLang's park API) release and resume tags as SGLang 0.5.23 does
+  (200 with a null body; a resume of a tag not released, or a second release of one, kills the
+  head, as in tests/fakes/fake_sglang.py), and /health reports ``released``;
 - a worker that cannot reach the head within ``--join-timeout`` seconds exits with status 1
   and says so on stderr; a worker whose head goes away exits with status 1 too.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 
 from aiohttp import web
@@ -47,6 +51,7 @@ class Head:
         self.args = args
         self.joined: set[int] = {0}
         self.released = False
+        self.offload_tags: set[str] = set()
 
     async def on_worker(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         rank = None
@@ -83,13 +88,34 @@ class Head:
     async def members(self, request: web.Request) -> web.Response:
         return web.json_response({"joined": sorted(self.joined)})
 
+    async def _tags(self, request: web.Request) -> list[str]:
+        # sglang/srt/managers/scheduler_components/weight_updater.py: null or [] means every tag
+        # (sglang/srt/constants.py GPU_MEMORY_ALL_TYPES).
+        body = await request.json()
+        return list(body.get("tags") or ("kv_cache", "weights", "cuda_graph"))
+
+    def _crash(self, error: str) -> None:
+        # The scheduler's exception SIGQUITs SGLang's main process, which SIGKILLs its whole tree
+        # (sglang/srt/managers/scheduler.py run_scheduler_process, utils/common.py kill_process_tree).
+        print(f"fake-multinode head: Scheduler hit an exception: {error}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     async def release(self, request: web.Request) -> web.Response:
-        self.released = True
-        return web.json_response({"success": True})
+        tags = await self._tags(request)
+        for tag in tags:
+            if tag in self.offload_tags:  # torch_memory_saver: a paused region paused again exits
+                self._crash(f"Cannot pause allocation that is not active. tag={tag}")
+        self.offload_tags.update(tags)
+        self.released = bool(self.offload_tags)
+        return web.json_response(None)
 
     async def resume(self, request: web.Request) -> web.Response:
-        self.released = False
-        return web.json_response({"success": True})
+        for tag in await self._tags(request):
+            if tag not in self.offload_tags:  # offload_tags.remove(tag): KeyError
+                self._crash(f"KeyError: {tag!r}")
+            self.offload_tags.remove(tag)
+        self.released = bool(self.offload_tags)
+        return web.json_response(None)
 
     async def run(self) -> int:
         host, port = split_addr(self.args.dist_init_addr)

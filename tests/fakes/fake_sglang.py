@@ -1,30 +1,74 @@
-"""A fake SGLang server for machines without a GPU, speaking SGLang's documented protocol.
+"""A fake SGLang server for machines without a GPU, following SGLang 0.5.23's source.
 
-    python tests/fakes/fake_sglang.py --host 127.0.0.1 --port P --model NAME [--api-key KEY |
-        --api-key-env NAME] [--enable-memory-saver] [--token-delay S]
-    (also `--model-path M`, as `python -m sglang.launch_server` takes it)
+    python tests/fakes/fake_sglang.py --model-path M --host 127.0.0.1 --port P
+        [--api-key KEY | --config FILE.yaml] [--enable-memory-saver] [--enable-weights-cpu-backup]
+        [--tp-size N] [--mem-fraction-static F] [--nnodes N --node-rank R --dist-init-addr H:P]
+        [--token-delay S] [--startup-delay S] [--api-key-env NAME] [--join-timeout S]  (fake only)
 
-As in SGLang: the key guards every route but /health and /metrics; POST /release_memory_occupation
-and /resume_memory_occupation take {"tags": ["weights", "kv_cache"]} and assert that no request is
-running: with one in flight they answer 500 with the assertion message (counted as
-"release_refused" on GET /fake/stats). While memory is released, generation answers 503.
+What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
+
+- Arguments: the flag names of arg_groups/fields/*.py; unknown arguments exit with status 2
+  (argparse, server_args.py prepare_server_args). ``--config FILE`` is merged as
+  utils/server_args_config_parser.py does: one file, .yaml/.yml only, its keys become arguments
+  placed before the command line's (so the command line wins); /proc/PID/cmdline shows the path.
+- Auth (utils/auth.py decide_request_auth): with --api-key every route needs
+  ``Authorization: Bearer KEY`` except /health*, /ready*, /metrics*; 401 ``{"error": "Unauthorized"}``.
+- ``POST|GET /release_memory_occupation`` and ``/resume_memory_occupation``
+  (entrypoints/http_server.py): a JSON body is required (FastAPI Body(): 422 without one);
+  ``{"tags": null}`` or ``[]`` means kv_cache, weights and cuda_graph (constants.py
+  GPU_MEMORY_ALL_TYPES); success is 200 with a null body.
+- What kills the whole server (managers/scheduler_components/weight_updater.py; a scheduler
+  exception SIGQUITs the main process, whose handler SIGKILLs the process tree, itself included:
+  managers/tokenizer_manager.py SignalHandler, utils/common.py kill_process_tree), so this fake
+  SIGKILLs itself, mid-request, on:
+  * a release while a request runs (``assert self.is_fully_idle()``);
+  * a resume of a tag that is not released (``self.offload_tags.remove(tag)``, KeyError);
+  * with --enable-memory-saver, a release of a region already paused or a resume of one not
+    paused (torch_memory_saver csrc/core.cpp pause/resume: exit(1), seen by the watchdog);
+  * with --enable-memory-saver, generation (or /health, which generates one token unless
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false) while weights or kv_cache are released: the
+    scheduler has no guard, and the released pages are unmapped (the kernel faults).
+- Without --enable-memory-saver the release pauses nothing (utils/torch_memory_saver_adapter.py,
+  the no-op adapter) but still records the tags. With it but without
+  --enable-weights-cpu-backup, releasing ``weights`` discards them (no host copy): after the
+  resume the model answers garbage.
+- Multi-node: rank 0 serves HTTP, the other ranks serve nothing (http_server.py launch_server);
+  fake_multinode.py's rendezvous stands in for torch.distributed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from aiohttp import web
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_openai import FakeEngine, common_arguments, serve  # noqa: E402
 
-TAGS = ("weights", "kv_cache")
+# sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+ALL_TAGS = (KV_CACHE, WEIGHTS, CUDA_GRAPH)
+GARBAGE = "\ufffd"
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """sglang/srt/environ.py EnvBool.parse."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    value = value.lower()
+    if value in ("true", "1", "yes", "y"):
+        return True
+    if value in ("false", "0", "no", "n"):
+        return False
+    raise ValueError(f'"{value}" is not a valid boolean value')
 
 
 class FakeSglang(FakeEngine):
@@ -34,66 +78,119 @@ class FakeSglang(FakeEngine):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.memory_saver: bool = args.enable_memory_saver
-        self.released: set[str] = set()
-        self.stats.update({"release_calls": 0, "resume_calls": 0, "release_refused": 0})
+        self.weights_cpu_backup: bool = args.enable_weights_cpu_backup
+        self.offload_tags: set[str] = set()  # weight_updater.py WeightUpdater.offload_tags
+        self.paused: set[str] = set()  # torch_memory_saver regions unmapped (memory saver on)
+        self.weights_lost = False
+        self.health_generates = env_bool("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", True)
+        self.launch = {"tp_size": args.tp_size, "mem_fraction_static": args.mem_fraction_static,
+                       "nnodes": args.nnodes, "node_rank": args.node_rank, "config": args.config}
+        self.stats.update({"release_calls": 0, "resume_calls": 0})
 
     def needs_auth(self, path: str) -> bool:
-        return not (path.startswith("/health") or path.startswith("/metrics") or path.startswith("/fake/"))
-
-    def unavailable_reason(self) -> str | None:
-        if self.released:
-            return f"Memory occupation is released ({', '.join(sorted(self.released))})."
-        return None
+        return not path.startswith(("/health", "/ready", "/metrics", "/fake/"))
 
     def stats_snapshot(self) -> dict[str, Any]:
-        return {**super().stats_snapshot(), "released_tags": sorted(self.released)}
+        return {**super().stats_snapshot(), "released_tags": sorted(self.offload_tags),
+                "paused_regions": sorted(self.paused), "weights_lost": self.weights_lost,
+                "memory_saver": self.memory_saver, "weights_cpu_backup": self.weights_cpu_backup, **self.launch}
 
     def extra_routes(self, app: web.Application) -> None:
-        app.router.add_post("/release_memory_occupation", self.release)
-        app.router.add_post("/resume_memory_occupation", self.resume)
+        for method in ("GET", "POST"):
+            app.router.add_route(method, "/release_memory_occupation", self.release)
+            app.router.add_route(method, "/resume_memory_occupation", self.resume)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_get("/ready", self.ready)
 
+    # -- the crash ---------------------------------------------------------------------------
+    def crash(self, error: str) -> NoReturn:
+        print(f"fake-sglang: Scheduler hit an exception: {error}", file=sys.stderr, flush=True)
+        print("fake-sglang: SIGQUIT received. It usually means one child failed.", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise SystemExit(137)  # not reached
+
+    def _memory_gone(self) -> bool:
+        return bool(self.paused & {WEIGHTS, KV_CACHE})
+
+    # -- generation and health ------------------------------------------------------------------
+    async def _admit(self, request: web.Request) -> tuple[dict, web.Response | None]:
+        body, refused = await super()._admit(request)
+        if refused is None and self._memory_gone():
+            self.crash(f"CUDA error: an illegal memory access was encountered (generation with "
+                       f"{', '.join(sorted(self.paused))} released)")
+        return body, refused
+
+    def answer_tokens(self, prompt: str, max_tokens: int) -> tuple[list[str], str]:
+        pieces, finish = super().answer_tokens(prompt, max_tokens)
+        if self.weights_lost:  # uninitialised weights: tokens, but no sense
+            return [GARBAGE * 3 for _ in pieces], finish
+        return pieces, finish
+
+    async def health(self, request: web.Request) -> web.Response:
+        # http_server.py health_generate: /health answers at once only when generation is switched off.
+        if request.path == "/health_generate" or self.health_generates:
+            if self._memory_gone():
+                self.crash("CUDA error: an illegal memory access was encountered (health check generation "
+                           f"with {', '.join(sorted(self.paused))} released)")
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    # -- memory occupation ----------------------------------------------------------------------
     async def _tags(self, request: web.Request) -> list[str] | web.Response:
+        """The request's tags, all of them for null or []; 422 as FastAPI answers a bad body."""
+        raw = await request.read()
+        if not raw:
+            return web.json_response({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required",
+                                                  "input": None}]}, status=422)
         try:
-            body = await request.json() if request.can_read_body else {}
-        except ValueError:
-            return self.error("the body is not JSON", "BadRequestError", 400)
-        tags = (body or {}).get("tags") or list(TAGS)
-        unknown = [t for t in tags if t not in TAGS]
-        if unknown:
-            return self.error(f"unknown tags {unknown}", "BadRequestError", 400)
-        return list(tags)
-
-    def _assert_idle(self, what: str) -> web.Response | None:
-        if self.running:
-            self.stats["release_refused"] += 1
-            return web.Response(status=500, text=(
-                f"AssertionError: {what} should be called only when no ongoing request "
-                f"({len(self.running)} running)"))
-        return None
+            body = json.loads(raw)
+        except ValueError as exc:
+            return web.json_response({"detail": [{"type": "json_invalid", "loc": ["body", 0],
+                                                  "msg": "JSON decode error", "ctx": {"error": str(exc)}}]},
+                                     status=422)
+        tags = body.get("tags") if isinstance(body, dict) else body
+        if not isinstance(body, dict) or not (tags is None or (isinstance(tags, list)
+                                                               and all(isinstance(t, str) for t in tags))):
+            return web.json_response({"detail": [{"type": "model_attributes_type", "loc": ["body"],
+                                                  "msg": "Input should be a valid dictionary or object",
+                                                  "input": body}]}, status=422)
+        return list(tags) if tags else list(ALL_TAGS)
 
     async def release(self, request: web.Request) -> web.Response:
-        if not self.memory_saver:
-            return self.error("release_memory_occupation needs --enable-memory-saver", "InternalServerError", 500)
         tags = await self._tags(request)
         if isinstance(tags, web.Response):
             return tags
-        refused = self._assert_idle("release_memory_occupation")
-        if refused:
-            return refused
         self.stats["release_calls"] += 1
-        self.released.update(tags)
-        return web.json_response({"success": True, "message": "Succeeded to release memory occupation."})
+        if self.running:
+            self.crash("AssertionError: release_memory_occupation should be called only when server is idle. "
+                       f"({len(self.running)} request(s) running)")
+        self.offload_tags.update(tags)
+        for tag in (KV_CACHE, WEIGHTS, CUDA_GRAPH):  # weight_updater.py's order
+            if tag in tags and self.memory_saver:
+                if tag in self.paused:
+                    self.crash(f"[torch_memory_saver.cpp] Cannot pause allocation that is not active. tag={tag}")
+                self.paused.add(tag)
+        return web.json_response(None)
 
     async def resume(self, request: web.Request) -> web.Response:
         tags = await self._tags(request)
         if isinstance(tags, web.Response):
             return tags
-        refused = self._assert_idle("resume_memory_occupation")
-        if refused:
-            return refused
         self.stats["resume_calls"] += 1
-        self.released.difference_update(tags)
-        return web.json_response({"success": True, "message": "Succeeded to resume memory occupation."})
+        for tag in tags:
+            if tag not in self.offload_tags:
+                self.crash(f"KeyError: {tag!r} (resume_memory_occupation of a tag that is not released)")
+            self.offload_tags.remove(tag)
+        for tag in (CUDA_GRAPH, WEIGHTS, KV_CACHE):  # weight_updater.py's order
+            if tag in tags and self.memory_saver:
+                if tag not in self.paused:
+                    self.crash(f"[torch_memory_saver.cpp] Cannot resume allocation that is not paused. tag={tag}")
+                self.paused.discard(tag)
+                if tag == WEIGHTS and not self.weights_cpu_backup:
+                    self.weights_lost = True
+        return web.json_response(None)
 
 
 class FakeSglangHead(FakeSglang):
@@ -108,8 +205,9 @@ class FakeSglangHead(FakeSglang):
 
     async def health(self, request: web.Request) -> web.Response:
         joined = len(self.group.joined)
-        return web.Response(status=200 if joined == self.group.args.nnodes else 503,
-                            text=f"{joined}/{self.group.args.nnodes} ranks joined")
+        if joined != self.group.args.nnodes:
+            return web.Response(status=503, text=f"{joined}/{self.group.args.nnodes} ranks joined")
+        return await super().health(request)
 
     def app(self) -> web.Application:
         app = super().app()
@@ -125,20 +223,76 @@ class FakeSglangHead(FakeSglang):
         return app
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", "--model-path", dest="model", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fake-sglang", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    # arg_groups/fields/model.py: model_path, aliases ["--model"]
+    parser.add_argument("--model-path", "--model", dest="model", required=True)
+    # arg_groups/fields/exec_.py
     parser.add_argument("--enable-memory-saver", action="store_true")
-    parser.add_argument("--tp", "--tp-size", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    # SGLang's multi-node launch: the same --nnodes and --dist-init-addr on every node.
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
+    # arg_groups/fields/parallel.py: tp_size, aliases ["--tensor-parallel-size"] ("--tp" only abbreviates it)
+    parser.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1)
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--node-rank", type=int, default=0)
-    parser.add_argument("--dist-init-addr", default=None)
-    parser.add_argument("--join-timeout", type=float, default=10.0)
+    parser.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None)
+    # arg_groups/fields/schedule.py
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    # server_args.py: --config FILE (merged before parsing, see merge_config)
+    parser.add_argument("--config", type=str, default=None)
+    parser.add_argument("--join-timeout", type=float, default=10.0)  # fake only: a worker's wait for its head
     common_arguments(parser, default_key_env=None)
-    args, _unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def merge_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """utils/server_args_config_parser.py ConfigArgumentMerger.merge_config_with_args."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    indices = [i for i, a in enumerate(argv) if a == "--config"]
+    if len(indices) > 1:
+        raise ValueError("Multiple config files specified! Only one allowed.")
+    index = indices[0]
+    if index == len(argv) - 1:
+        raise ValueError("No config file specified after --config flag!")
+    path = Path(argv[index + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise ValueError(f"Config file must be YAML format, got: {path.suffix}")
+    if not path.exists():
+        raise ValueError(f"Config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError("Config file must contain a dictionary at root level")
+    store_true = {a.dest for a in parser._actions if isinstance(a, argparse._StoreTrueAction)} | {
+        o[2:].replace("-", "_") for a in parser._actions if isinstance(a, argparse._StoreTrueAction)
+        for o in a.option_strings if o.startswith("--")}
+    config_args: list[str] = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            if key.replace("-", "_") in store_true:
+                if value:
+                    config_args.append(f"--{key}")
+            else:
+                config_args += [f"--{key}", str(value).lower()]
+        elif isinstance(value, list):
+            if value:
+                config_args += [f"--{key}", *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            config_args += [f"--{key}", json.dumps(value)]
+        else:
+            config_args += [f"--{key}", str(value)]
+    return config_args + argv[:index] + argv[index + 2:]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(merge_config(parser, argv))
     if args.nnodes > 1:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        if args.tp_size % args.nnodes:  # arg_groups/validation_hook.py check_server_args
+            raise AssertionError("tp_size must be divisible by number of nodes")
         if args.node_rank > 0:  # a worker serves no HTTP: it joins the head and lives with it
             from fake_multinode import run_worker
             sys.exit(asyncio.run(run_worker(args)))
