@@ -1,4 +1,5 @@
-"""/v1/systemone: request validation, and answers computed from token log-probabilities.
+"""/v1/systemone: request validation, answers computed from token log-probabilities, and the
+mapping onto TensorFold's /v1/decisions (end of this file).
 
 The response follows the native llama-server / TypeSafe shape exactly, so a client
 sees the same thing whether an engine answers natively or CapyCTL answers from
@@ -226,3 +227,115 @@ def check_answerable(request: SystemOneRequest) -> None:
         if isinstance(question, ChoiceQuestion) and len(question.criteria) > len(CHOICE_LETTERS):
             raise CapyError(f"questions.{qid}.criteria: at most {len(CHOICE_LETTERS)} options can be answered "
                             "from log-probabilities.", code="systemone_unsupported", status=400)
+
+
+# ---------------------------------------------------------------- TensorFold's /v1/decisions
+
+# TensorFold (github.com/ashhart/TensorFold) answers decisions at POST /v1/decisions (docs/api.md
+# "Decisions"), in SGLang's prompt format version 1, with this shape (src/tensorfold/server/decisions.py):
+#   request  {"model", "input": str|object|array, "questions": [{"id", "type": "choice"|"score"|"yes_no",
+#            "question", ...}]}; choice "options": [{"name", "description"?}] (2 to 26, names unique
+#            ignoring case and surrounding spaces, no control characters), score "levels": [text] (2 to 10,
+#            labelled 0..9), yes_no optional "yes"/"no" descriptions; any other field is refused (400).
+#   response {"object": "decisions", "model", "prompt_format_version": 1, "answers": {id: {"type",
+#            "probabilities": {name: p}, "label_mass", "choice" (choice), "score" (score)}},
+#            "usage": {"prompt_tokens", "completion_tokens": 0, "total_tokens"}}
+# ``probabilities`` is a softmax over the label logits, keyed by the stripped option name, the
+# level index ("0".."n-1"), or "yes"/"no". CapyCTL's answer is built from them with the same
+# formulas as every other path (format_answer), so the client cannot tell which engine answered.
+DECISION_MAX_OPTIONS = 26
+
+
+def _decision_name(label: str) -> str:
+    return label.strip()  # decisions.py keys probabilities by name.strip()
+
+
+def check_decidable(request: SystemOneRequest) -> None:
+    """What /v1/decisions cannot take, refused before anything is sent (400 systemone_unsupported)."""
+    if request.images:
+        raise CapyError("Images in /v1/systemone need an engine that serves /v1/systemone natively; "
+                        "/v1/decisions takes text only.", code="systemone_unsupported", status=400)
+    for qid, question in request.questions.items():
+        if not qid.strip():
+            raise CapyError("This engine's /v1/decisions needs question ids that are not blank.",
+                            code="systemone_unsupported", status=400, detail={"param": "questions"})
+        if not isinstance(question, ChoiceQuestion):
+            continue
+        where = f"questions.{qid}.criteria"
+        if len(question.criteria) > DECISION_MAX_OPTIONS:
+            raise CapyError(f"{where}: this engine's /v1/decisions takes at most {DECISION_MAX_OPTIONS} options.",
+                            code="systemone_unsupported", status=400, detail={"param": where})
+        seen: set[str] = set()
+        for label in question.criteria:
+            name = _decision_name(label)
+            if any(ord(char) < 32 for char in name):
+                raise CapyError(f"{where}: this engine's /v1/decisions takes no line breaks or control "
+                                "characters in option labels.", code="systemone_unsupported", status=400,
+                                detail={"param": where})
+            if name.casefold() in seen:
+                raise CapyError(f"{where}: this engine's /v1/decisions needs option labels that differ in more "
+                                f"than case and spaces ({label!r}).", code="systemone_unsupported", status=400,
+                                detail={"param": where})
+            seen.add(name.casefold())
+
+
+def decisions_request(request: SystemOneRequest, model: str) -> dict[str, Any]:
+    """The /v1/decisions body that asks the same questions (call check_decidable first)."""
+    questions: list[dict[str, Any]] = []
+    for qid, question in request.questions.items():
+        item: dict[str, Any] = {"id": qid, "question": question.instructions}
+        if isinstance(question, NoulQuestion):
+            item["type"] = "yes_no"
+            criteria = question.criteria or NoulCriteria()
+            if criteria.true:
+                item["yes"] = criteria.true
+            if criteria.false:
+                item["no"] = criteria.false
+        elif isinstance(question, ChoiceQuestion):
+            item["type"] = "choice"
+            item["options"] = [{"name": _decision_name(label),
+                                **({"description": description} if description else {})}
+                               for label, description in question.criteria.items()]
+        else:
+            item["type"] = "score"
+            item["levels"] = list(question.criteria)
+        questions.append(item)
+    return {"model": model, "input": request.state, "questions": questions}
+
+
+def _decision_keys(question: NoulQuestion | ChoiceQuestion | ScoreQuestion) -> dict[str, str]:
+    """CapyCTL's option key -> the key of the engine's probabilities."""
+    if isinstance(question, NoulQuestion):
+        return {"true": "yes", "false": "no"}
+    if isinstance(question, ChoiceQuestion):
+        return {label: _decision_name(label) for label in question.criteria}
+    return {key: key for key in option_keys(question)}
+
+
+def from_decisions_response(request: SystemOneRequest, body: Any) -> dict[str, Any]:
+    """CapyCTL's /v1/systemone answer from a /v1/decisions answer; a malformed one is a 502 engine_error."""
+
+    def malformed(what: str) -> CapyError:
+        return CapyError(f"The engine's /v1/decisions answer is malformed: {what}.", code="engine_error",
+                         status=502)
+
+    answers = body.get("answers") if isinstance(body, dict) else None
+    if not isinstance(answers, dict):
+        raise malformed("no answers object")
+    out: dict[str, Any] = {}
+    for qid, question in request.questions.items():
+        answer = answers.get(qid)
+        probabilities = answer.get("probabilities") if isinstance(answer, dict) else None
+        if not isinstance(probabilities, dict):
+            raise malformed(f"no probabilities for question {qid!r}")
+        mine: dict[str, float] = {}
+        for key, theirs in _decision_keys(question).items():
+            value = probabilities.get(theirs)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise malformed(f"question {qid!r} has no probability for {theirs!r}")
+            mine[key] = float(value)
+        out[qid] = format_answer(question, mine)
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    return {"model": request.model, "answers": out,
+            "usage": {"input_tokens": int(usage.get("prompt_tokens") or 0),
+                      "output_tokens": int(usage.get("completion_tokens") or 0)}}
