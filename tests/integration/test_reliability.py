@@ -30,6 +30,7 @@ import pytest
 
 from capyctl.bench import Endpoint, run_streams, stream_chat
 from capyctl.controller._actor import RESTART_BACKOFF_S
+from capyctl.controller._liveness import HUNG_STOP_GRACE_S, detection_bound
 from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
 
 from .capyhost import CapyHost, free_port, llama_server_path, smollm2_path
@@ -266,6 +267,91 @@ def test_engine_killed_mid_stream_gives_a_clean_error_then_a_restart(capyhost, r
     assert answer.choices[0].message.content is not None
     status = capyhost.cli_json("status", "deployment", "smollm2")
     assert status["state"] == "ready"
+    assert capyhost.unit_property(unit, "MainPID") not in ("", "0", pid_before)
+
+
+# A short deadline keeps the test short; the default is 30s (capyctl/spec/models.py Timeouts).
+UNRESPONSIVE_S = 3.0
+
+
+def _post_chat(base_url: str, key: str, model: str) -> tuple[int, dict, dict[str, str]]:
+    """One non-streaming chat request: status, JSON body, headers."""
+    data = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hi."}],
+                       "max_tokens": 4, "temperature": 0}).encode()
+    req = urllib.request.Request(base_url + "/v1/chat/completions", data=data, method="POST", headers={
+        "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read()), dict(err.headers)
+
+
+@pytest.mark.sandbox
+@pytest.mark.llama
+def test_engine_hung_by_sigstop_is_failed_within_the_bound_then_restarted(capyhost, smollm2):
+    name, unit = "hang", "capyctl-hang.service"
+    manifest = capyhost.write_manifest(
+        name, _manifest(name, smollm2, f"timeouts: {{unresponsive: {UNRESPONSIVE_S}s}}\n"))
+    capyhost.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    key = capyhost.create_key("--name", "hang")
+    pid_before = capyhost.unit_property(unit, "MainPID")
+    client = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+    stream = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "Tell a long story."}], max_tokens=2000,
+        temperature=0, stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    stopped_at = 0.0
+    with pytest.raises(openai.APIError) as info:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                received += 1
+                if received == 3:
+                    # The unit, not a process name: every process of the engine stops, alive but silent.
+                    capyhost.sh("systemctl", "kill", "--signal=SIGSTOP", unit)
+                    stopped_at = time.monotonic()
+    cut_after = time.monotonic() - stopped_at
+    # The request in flight ends with the watchdog's error, not a hang until timeouts.request.
+    assert info.value.code == "engine_unresponsive", (info.value.code, info.value.message)
+    assert "health check" in info.value.message
+    # The last answered probe came before the SIGSTOP; the unit stop (SIGTERM + SIGCONT, then
+    # SIGKILL after a short grace: llama-server does not always exit on SIGTERM with a stream
+    # in flight) and the proxy's error event come on top of the watchdog's bound.
+    bound = detection_bound(UNRESPONSIVE_S) + HUNG_STOP_GRACE_S
+    assert cut_after <= bound + 5.0, f"the stream was cut {cut_after:.1f}s after SIGSTOP (bound {bound:.1f}s)"
+
+    # Requests now get deployment_failed during the restart backoff (or, in the instant before
+    # the unit has stopped, the same verdict as the stream). Poll quickly: the backoff is short.
+    seen: list[tuple[int, str]] = []
+    failed = None
+    deadline = time.monotonic() + 30
+    while failed is None:
+        assert time.monotonic() < deadline, f"never answered deployment_failed; saw {seen}"
+        status, body, headers = _post_chat(capyhost.base_url, key, name)
+        seen.append((status, body.get("error", {}).get("code", "")))
+        if (status, seen[-1][1]) == (503, "deployment_failed"):
+            failed = (time.monotonic(), headers)
+        else:
+            assert seen[-1] == (502, "engine_unresponsive"), seen
+            time.sleep(0.05)
+    failed_after = failed[0] - stopped_at
+    assert failed_after <= bound + 5.0, f"failed {failed_after:.1f}s after SIGSTOP (bound {bound:.1f}s)"
+    retry_after = int(failed[1]["Retry-After"])
+    assert 1 <= retry_after <= RESTART_BACKOFF_S + 1
+    status = capyhost.cli_json("status", "deployment", name)
+    assert status["state"] == "failed" and status["reason"].startswith("engine_unresponsive:"), status
+    # The hung process is gone: the stop's SIGCONT let SIGTERM end it.
+    assert capyhost.unit_property(unit, "MainPID") in ("", "0")
+    print(f"SIGSTOP -> stream cut {cut_after:.1f}s, -> failed seen {failed_after:.1f}s (bound {bound:.1f}s); "
+          f"answers while failing: {seen}")
+
+    # The restart policy: after the backoff the next request starts a fresh engine and is answered.
+    time.sleep(retry_after + 0.5)
+    status, body, _ = _post_chat(capyhost.base_url, key, name)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] is not None
+    described = capyhost.cli_json("status", "deployment", name)
+    assert described["state"] == "ready", described
     assert capyhost.unit_property(unit, "MainPID") not in ("", "0", pid_before)
 
 
