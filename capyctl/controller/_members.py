@@ -17,6 +17,7 @@ from ..errors import CapyError
 from ._actor import new_engine_key
 from ._group import GroupMember, MemberLaunch
 from ._hosts import LOCAL, parse_target
+from ._memory import gpu_order_environment
 
 if TYPE_CHECKING:
     from ._actor import DeploymentActor
@@ -45,7 +46,8 @@ class UnitMembers:
     def __init__(self, actor: "DeploymentActor") -> None:
         self.actor = actor
         self.ports: dict[int, int] = {}  # rank -> engine port on its host
-        self.head_local_port: int | None = None  # the head's API, reachable from the daemon
+        self.head_local_port: int | None = None
+        self.secret_files: dict[int, list[str]] = {}  # rank -> its secret files' names  # the head's API, reachable from the daemon
 
     @property
     def ctl(self):
@@ -71,8 +73,14 @@ class UnitMembers:
         port = await ctl.lease_port(self.unit_state_key(launch), host)
         self.ports[launch.rank] = port
         resolved = await ctl.resolve_model(actor.spec, engine, lambda _m: None)
+        # The cards the plan gave this member on its host (tensor_parallel / nnodes of them), and
+        # its share of each; the engine reads tensor_parallel as the total across the nodes.
+        gpu_indices = list(ctl.memory.gpus_for(actor, launch.rank))
+        gpu_fraction, gpu_budget = ctl.memory.launch_memory(actor, launch.rank)
         ctx = LaunchContext(deployment=actor.spec, engine=engine, model_path=resolved.path, port=port,
-                            cpu_threads=ctl.cpu_threads(actor.spec, host))
+                            gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(actor.spec, host),
+                            gpu_memory_fraction=gpu_fraction, gpu_memory_budget=gpu_budget,
+                            nnodes=launch.nnodes, secret_dir=ctl.secret_dir)
         plan = adapter.build_launch(ctx)
         if launch.is_head:
             actor.key = new_engine_key()
@@ -82,14 +90,18 @@ class UnitMembers:
         # One key file per member: hosts may share a filesystem, and one member's write must never
         # truncate a file another member's systemd is reading at exec time.
         env_file = await ctl.write_secret_env_on(host, self.secret_name(launch), plan.secret_file_environment(actor.key))
+        # Every member's files hold the same key, each written whole (temporary file, then rename).
+        await ctl.write_secret_files_on(host, plan.secret_file_contents(actor.key))
+        self.secret_files[launch.rank] = sorted(plan.secret_files)
         unit = TransientUnit(
             name=actor.unit,
             description=(f"CapyCTL deployment {actor.name} (rev {actor.revision.revision}, {engine.type}, "
                          f"rank {launch.rank} of {launch.nnodes})"),
-            argv=[*plan.argv, *launch.flags], environment={**plan.environment, **actor.spec.env},
+            argv=[*plan.argv, *launch.flags],
+            environment={**plan.environment, **gpu_order_environment(gpu_indices), **actor.spec.env},
             environment_file=str(env_file), working_directory="/",
             memory_max=actor.spec.resources.ram, cpu_quota=actor.spec.resources.cpus,
-            tasks_max=actor.spec.resources.tasks_max,
+            tasks_max=actor.spec.resources.tasks_max, devices=ctl.gpu_device_nodes(host, gpu_indices),
             markers={"deployment": actor.name, "revision": str(actor.revision.revision),
                      "launch": actor.launch_id or "", "port": str(port), "rank": str(launch.rank)})
         await systemd.start_transient(unit)
@@ -105,6 +117,7 @@ class UnitMembers:
         self.ctl.release_port(self.unit_state_key(launch))
         with contextlib.suppress(CapyError):  # the member's key file goes with it
             await self.ctl.hosts.run(host, ["rm", "-f", str(self.ctl._secret_path(self.secret_name(launch)))])
+        await self.ctl.remove_secret_files_on(host, self.secret_files.pop(launch.rank, []))
 
     async def accepting(self, launch: MemberLaunch) -> bool:
         try:

@@ -2,22 +2,58 @@
 
 The ledger is kept in step with every actor's state (``observe``); ``plan`` asks the planner
 who must make room; ``charge`` records the plan once the victims are out of the way.
+
+What a deployment is charged: its manifest's ``resources``, else an estimate from its model
+(weights, KV cache at its context, the engine's buffers), corrected once it is ready by what
+was measured (``measure``: NVML's per-process GPU memory of the unit's processes, the unit's
+cgroup memory for RAM). GPU memory a stopped deployment held stays charged (pending release)
+until NVML shows no process of it on the card (``refresh_gpus``): drivers free memory some time
+after a process exits, and a start on memory that is not free yet fails.
+
+A multi-node group is budgeted per member: ``<name>#rank<r>`` is placed on the member's host
+with the per-node footprint (tensor_parallel / nodes cards), and its cards are what that
+member's unit is given.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import math
 import os
-from typing import TYPE_CHECKING
+import re
+from dataclasses import asdict, replace
+from typing import TYPE_CHECKING, Any, Iterable
 
 from ..config import DaemonConfig
-from ..scheduler import Candidate, Footprint, GpuCard, HostResources, Ledger, Plan, Request
+from ..errors import CapyError
+from ..scheduler import (Candidate, Footprint, GpuCard, HostResources, Ledger, Plan, Request, gpu_domain,
+                         ram_domain)
 from ..scheduler import plan as plan_placement
 from ..spec import parse_size
 
 if TYPE_CHECKING:
     from ._actor import DeploymentActor
 
+log = logging.getLogger("capyctl.controller")
+
 LOCAL = "local"
+
+# vLLM checks at start that the card's free memory covers ceil(total * --gpu-memory-utilization)
+# (request_memory, vllm/v1/worker/utils.py, 0.32.0), measured once its own CUDA context exists:
+# that context counts twice in the check. So the fraction leaves it out of the budget (at most
+# an eighth of the budget), then rounds down to a thousandth: two deployments whose budgets add
+# up to a card start one after the other.
+STARTUP_HEADROOM = 512 << 20
+# vLLM / SGLang besides weights and KV cache: CUDA context, activations of the profiling batch,
+# CUDA graphs, NCCL buffers.
+ENGINE_OVERHEAD = 2 << 30
+# What a measurement is rounded up by: an engine's use grows a little with traffic (RAM more).
+GPU_MEASURE_MARGIN = 1.02
+RAM_MEASURE_MARGIN = 1.10
+RAM_MEASURE_SLACK = 64 << 20
+_PREALLOCATING = ("vllm", "sglang", "tensorfold")
 
 
 def _ram_total() -> int:
@@ -28,8 +64,12 @@ def _ram_total() -> int:
     return 0
 
 
+def _model_path(actor: "DeploymentActor") -> str | None:
+    return actor.model_path or getattr(actor.spec.model, "path", None)
+
+
 def _model_size(actor: "DeploymentActor") -> int:
-    path = actor.model_path or getattr(actor.spec.model, "path", None)
+    path = _model_path(actor)
     try:
         if path and os.path.isfile(path):
             return os.path.getsize(path)
@@ -40,24 +80,138 @@ def _model_size(actor: "DeploymentActor") -> int:
     return 0
 
 
-def footprint(actor: "DeploymentActor") -> Footprint:
-    """What the deployment needs: its manifest's budgets, else an estimate from the model's size."""
+def _flag_value(args: list[str], *names: str) -> str | None:
+    value = None
+    for i, arg in enumerate(args):
+        if arg in names and i + 1 < len(args):
+            value = args[i + 1]
+        for name in names:
+            if arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def _hf_kv_bytes_per_token(model_dir: str) -> int | None:
+    """K+V bytes per token over all layers, from a Hugging Face config.json (16-bit cache)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    try:
+        layers = int(config["num_hidden_layers"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    return 2 * layers * kv_heads * head_dim * 2
+
+
+def _hf_context(model_dir: str, args: list[str]) -> int:
+    # vLLM --max-model-len, SGLang --context-length; else the model's own maximum.
+    given = _flag_value(args, "--max-model-len", "--context-length")
+    if given:
+        # vLLM reads "32k" as 32,000 and "32K" as 32,768 (human_readable_int, vllm/utils/argparse_utils.py).
+        match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmM]?)", given.strip())
+        if match:
+            number, suffix = match.groups()
+            scale = {"": 1, "k": 10**3, "m": 10**6, "K": 2**10, "M": 2**20}[suffix]
+            if int(float(number) * scale) > 0:
+                return int(float(number) * scale)
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+        config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        return int(config.get("max_position_embeddings") or 4096)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 4096
+
+
+def estimate_gpu_memory(actor: "DeploymentActor") -> int | None:
+    """Bytes on each of the deployment's cards when its manifest gives no ``gpu_memory``: the
+    weights and KV cache at its context split over its tensor-parallel ranks, plus the engine's
+    buffers. None when the model is not on disk yet or the engine is unknown (a whole card)."""
+    spec = actor.spec
+    kind = getattr(actor.controller.adapter(spec), "kind", None)
+    path = _model_path(actor)
+    size = _model_size(actor)
+    if not path or size <= 0:
+        return None
+    args = list(spec.engine_args)
+    if kind == "llama.cpp":
+        from ..engines._gpu_layers import context_size, gguf_layout
+        from ..engines.llamacpp import DEFAULT_CONTEXT
+        layout = gguf_layout(path)
+        if layout is None:
+            return None
+        cards = max(1, spec.gpus_needed)
+        return math.ceil(layout.full_offload(context_size(args, DEFAULT_CONTEXT, layout), cards) / cards)
+    if kind in _PREALLOCATING and os.path.isdir(path):
+        kv = _hf_kv_bytes_per_token(path)
+        if kv is None:
+            return None
+        # Room for two sequences of the full context: vLLM refuses to start when its KV cache
+        # cannot hold one (and serves one request at a time with exactly one).
+        total = size + 2 * kv * _hf_context(path, args)
+        return math.ceil(total / max(1, spec.tensor_parallel)) + ENGINE_OVERHEAD
+    return None
+
+
+def footprint(actor: "DeploymentActor", largest_card: int | None = None) -> Footprint:
+    """What the deployment needs on each host it runs on: its manifest's budgets, else estimates.
+    A GPU estimate at least as large as ``largest_card`` asks for whole cards."""
     spec = actor.spec
     size = _model_size(actor)
     # Weights plus KV cache and runtime: measured 177 MB RSS for a 98 MB GGUF at -c 2048.
     ram = spec.resources.ram or int(size * 1.5) + (128 << 20)
-    in_place = spec.park == "auto" and actor.controller.adapter(spec).park_method(spec) == "in_place"
-    # vLLM sleep level 1 keeps the weights in host RAM; level 2 and SGLang's release keep nothing.
-    parked_ram = (size if spec.park_level == 1 else 0) if in_place else None
+    adapter = actor.controller.adapter(spec)
+    in_place = spec.park == "auto" and adapter.park_method(spec) == "in_place"
+    # What stays in host RAM while parked in place is the engine's to say (vLLM level 1 and
+    # SGLang's CPU backup keep the weights; vLLM level 2 and TensorFold keep nothing).
+    parked_ram = adapter.parked_host_bytes(spec, size) if in_place else None
     gpus = spec.gpus_needed
-    return Footprint(gpus=gpus, gpu_memory=spec.resources.gpu_memory if gpus else None, ram=ram,
-                     parked_ram=parked_ram)
+    gpu_memory = spec.resources.gpu_memory if gpus else None
+    if gpus and gpu_memory is None:
+        gpu_memory = estimate_gpu_memory(actor)
+        if gpu_memory is not None and largest_card is not None and gpu_memory >= largest_card:
+            gpu_memory = None
+    return Footprint(gpus=gpus, gpu_memory=gpu_memory, ram=ram, parked_ram=parked_ram)
+
+
+def gpu_memory_fraction(budget: int, card_total: int) -> float:
+    """The share of a card's TOTAL memory to give an engine whose plan is ``budget`` bytes on it
+    (vLLM --gpu-memory-utilization, SGLang --mem-fraction-static): the budget less its startup
+    headroom, rounded down to a thousandth (see STARTUP_HEADROOM)."""
+    if card_total <= 0:
+        raise CapyError("a GPU with no memory cannot hold a budget", code="invalid_gpu")
+    usable = min(budget, card_total) - min(STARTUP_HEADROOM, budget // 8)
+    return max(0.001, math.floor(usable * 1000 / card_total) / 1000)
+
+
+def gpu_order_environment(gpu_indices: Iterable[int]) -> dict[str, str]:
+    """CUDA numbers devices fastest first by default, NVML (and so the ledger, DeviceAllow and
+    CUDA_VISIBLE_DEVICES here) by PCI bus: on a host with different cards the same index names
+    different cards. CUDA_DEVICE_ORDER=PCI_BUS_ID makes CUDA count as NVML does."""
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"} if list(gpu_indices) else {}
+
+
+def member_name(deployment: str, rank: int) -> str:
+    """The ledger's name for one member of a multi-node group."""
+    return f"{deployment}#rank{rank}"
 
 
 def _local_gpus() -> tuple[GpuCard, ...]:
     """This host's cards from NVML; none on a host without NVML (a CPU host)."""
     from ..hosts import host_inventory
     return host_inventory().resources().gpus
+
+
+def _stopped(actor: "DeploymentActor") -> bool:
+    return actor.state in ("stopped", "failed") or (actor.state == "parked" and not actor.parked_in_place)
 
 
 class MemoryPlanner:
@@ -67,68 +221,245 @@ class MemoryPlanner:
         reserve = 0 if budget else config.host_ram_reserve
         gpus = _local_gpus() if local_gpus is None else tuple(local_gpus)
         self.ledger = Ledger([HostResources(name=LOCAL, ram_total=ram_total, ram_reserve=reserve, gpus=gpus)])
-        self._last_plan: tuple[Plan, Request] | None = None
+        self._last_plan: tuple[str, list[tuple[Plan, Request]]] | None = None
 
     def set_host(self, name: str, resources: HostResources) -> None:
         """Budget a (remote) host from its inventory; ``resources.name`` is ignored for ``name``."""
         self.ledger.add_host(HostResources(name, resources.ram_total, resources.ram_reserve, resources.gpus))
 
+    def footprint(self, actor: "DeploymentActor") -> Footprint:
+        cards = [d.capacity for d in self.ledger.domains.values() if d.kind == "gpu"]
+        return footprint(actor, max(cards) if cards else None)
+
+    # -- placement ------------------------------------------------------------------------------
+
     def plan(self, actor: "DeploymentActor", actors: list["DeploymentActor"], now: float,
              hosts: tuple[str, ...] = (LOCAL,)):
         """Victims to evict before ``actor`` can start on one of ``hosts``: [(actor, "park" | "stop")].
+        A multi-node group places one member on each of its manifest's first ``nodes`` hosts.
         Raises NoRoom. ``planned_host`` tells where the plan puts it."""
-        if actor.spec.nodes > 1:
-            return []
         for other in actors:
             self.observe(other)
-        hosts = tuple(h for h in hosts if h in self.ledger.hosts) or hosts
-        request = Request(actor.name, footprint(actor), hosts=hosts)
+        fp = self.footprint(actor)
         candidates = [Candidate(a.name, a.state, a.last_used, busy=a.busy or not a._commands.empty(),
                                 never_evict=a.spec.park == "never", idle_park_after=a.spec.idle_park_after)
                       for a in actors if a is not actor and self.ledger.get(a.name) is not None]
-        result = plan_placement(request, self.ledger, candidates, now)
-        self._last_plan = (result, request)
+        if actor.spec.nodes > 1:
+            requests = [Request(member_name(actor.name, rank), fp, hosts=(host,))
+                        for rank, host in enumerate(actor.spec.hosts[:actor.spec.nodes])]
+        else:
+            requests = [Request(actor.name, fp, hosts=tuple(h for h in hosts if h in self.ledger.hosts) or hosts)]
+        # Members go one after the other on a trial ledger, each seeing what the ones before took.
+        trial = self.ledger.copy() if len(requests) > 1 else self.ledger
+        plans: list[tuple[Plan, Request]] = []
+        victims: dict[str, str] = {}
+        for request in requests:
+            result = plan_placement(request, trial, candidates, now)
+            plans.append((result, request))
+            for victim in result.victims:
+                victims.setdefault(victim.deployment, victim.action)
+            if trial is not self.ledger:
+                trial.apply(result, request)
+                states = {p.deployment: p.state for p in trial.placements()}
+                candidates = [replace(c, state=states[c.deployment]) for c in candidates]
+        self._last_plan = (actor.name, plans)
         by_name = {a.name: a for a in actors}
-        return [(by_name[v.deployment], v.action) for v in result.victims]
+        return [(by_name[name], action) for name, action in victims.items()]
 
     def planned_host(self, actor: "DeploymentActor") -> str | None:
-        if self._last_plan and self._last_plan[0].deployment == actor.name:
-            return self._last_plan[0].host
+        if self._last_plan and self._last_plan[0] == actor.name:
+            return self._last_plan[1][0][0].host
         return None
 
-    def gpus_for(self, actor: "DeploymentActor") -> tuple[int, ...]:
-        """The card indices the ledger placed ``actor`` on (empty for a CPU deployment)."""
-        placed = self.ledger.get(actor.name)
+    def gpus_for(self, actor: "DeploymentActor", rank: int | None = None) -> tuple[int, ...]:
+        """The card indices the ledger placed ``actor`` (or its member ``rank``) on; empty for a CPU one."""
+        placed = self.ledger.get(actor.name if rank is None else member_name(actor.name, rank))
         return placed.gpus if placed is not None else ()
 
+    def launch_memory(self, actor: "DeploymentActor", rank: int | None = None) -> tuple[float | None, int | None]:
+        """(share of each planned card's total memory, bytes on each) to launch with, from the plan.
+        A deployment planned on whole cards gets (None: the engine's default, the card's size)."""
+        placed = self.ledger.get(actor.name if rank is None else member_name(actor.name, rank))
+        if placed is None or not placed.gpus:
+            return None, None
+        capacity = min(self.ledger.domains[gpu_domain(placed.host, i)].capacity for i in placed.gpus)
+        if placed.footprint.gpu_memory is None:
+            return None, capacity
+        budget = min(placed.footprint.gpu_memory, capacity)
+        return gpu_memory_fraction(budget, capacity), budget
+
     def charge(self, actor: "DeploymentActor") -> None:
-        if actor.spec.nodes > 1:
-            return
-        if self._last_plan and self._last_plan[0].deployment == actor.name:
-            plan, request = self._last_plan
-            self.ledger.apply(plan, request)
+        if self._last_plan and self._last_plan[0] == actor.name:
+            for plan, request in self._last_plan[1]:
+                self.ledger.apply(plan, request)
         self._last_plan = None
 
+    # -- keeping the ledger in step ---------------------------------------------------------------
+
     def observe(self, actor: "DeploymentActor") -> None:
-        """Keep the ledger's state of ``actor`` equal to the actor's."""
-        if actor.spec.nodes > 1:
-            return  # multi-node groups are placed by their manifest's hosts, not budgeted here
-        placed = self.ledger.get(actor.name)
+        """Keep the ledger's state of ``actor`` (of each of its members) equal to the actor's."""
+        names = ([member_name(actor.name, r) for r in range(actor.spec.nodes)] if actor.spec.nodes > 1
+                 else [actor.name])
+        for name in names:
+            self._observe_one(actor, name, actor.host if actor.spec.nodes == 1 else None)
+
+    def _observe_one(self, actor: "DeploymentActor", name: str, host: str | None) -> None:
+        placed = self.ledger.get(name)
         state = actor.state
+        in_place = actor.parked_in_place if state == "parked" else None
         if placed is None:
-            if state in ("stopped", "failed") or (state == "parked" and not actor.parked_in_place):
-                return
-            if actor.host not in self.ledger.hosts:
-                return  # a host not budgeted (yet): nothing to charge it on
-            self.ledger.place(actor.name, footprint(actor), actor.host, (), state,
-                              in_place=actor.parked_in_place if state == "parked" else None)
+            if host is None or _stopped(actor) or host not in self.ledger.hosts:
+                return  # members are placed by a plan only; a host not budgeted has nothing to charge
+            fp = self.footprint(actor)
+            if fp.gpus:
+                return  # which cards an adopted GPU unit holds is unknown here: not budgeted until restarted
+            self.ledger.place(name, fp, host, (), state, in_place=in_place)
             return
         if placed.state != state or (state == "parked" and placed.in_place != actor.parked_in_place):
-            self.ledger.set_state(actor.name, state, in_place=actor.parked_in_place if state == "parked" else None)
-        if state in ("stopped", "failed") or (state == "parked" and not actor.parked_in_place):
-            # The unit is gone (stop_unit waits for it), so its memory is free again.
-            self.ledger.confirm_released(actor.name)
+            self.ledger.set_state(name, state, in_place=in_place)
+        if _stopped(actor):
+            # The unit is gone (stop_unit waits for it), and with its cgroup its host RAM. Its GPU
+            # memory stays pending until NVML shows no process of it on the card (refresh_gpus).
+            self.ledger.confirm_released(name, ram_domain(placed.host))
 
     def forget(self, name: str) -> None:
-        self.ledger.forget(name)
-        self.ledger.confirm_released(name)
+        for placed in self.ledger.placements():
+            if placed.deployment == name or placed.deployment.startswith(name + "#rank"):
+                self.ledger.forget(placed.deployment)
+                self.ledger.confirm_released(placed.deployment, ram_domain(placed.host))
+
+    # -- measurements (the controller reads them; the scheduler stays pure) -----------------------
+
+    def pending_gpu_hosts(self, hosts: Iterable[str] | None = None) -> list[str]:
+        """Hosts with GPU memory pending release (worth an NVML look before planning)."""
+        wanted = None if hosts is None else set(hosts)
+        out = []
+        for dom in self.ledger.domains.values():
+            if dom.kind == "gpu" and (wanted is None or dom.host in wanted) and self.ledger.pending(dom.id) \
+                    and dom.host not in out:
+                out.append(dom.host)
+        return out
+
+    def observe_gpus(self, host: str, gpus: list[dict[str, Any]]) -> None:
+        """Feed one host's NVML view (``HostInventory.to_dict()["gpus"]``) into the ledger: each
+        card's free memory and its processes by deployment (members of a group included)."""
+        for gpu in gpus:
+            dom = gpu_domain(host, int(gpu["index"]))
+            if dom not in self.ledger.domains:
+                continue
+            used_by = _used_by(gpu)
+            for placed in self.ledger.placements():
+                base = placed.deployment.split("#rank", 1)[0]
+                if placed.deployment != base and placed.host == host and base in used_by:
+                    used_by[placed.deployment] = used_by[base]
+            self.ledger.observe_card(dom, int(gpu["memory_free"]), used_by)
+
+    def correct(self, actor: "DeploymentActor", gpus: list[dict[str, Any]] | None, ram: int | None) -> dict:
+        """Replace ``actor``'s estimated charges by what was measured once it was ready: its
+        processes' memory on each of its cards (NVML), its unit's cgroup memory (RAM). A budget the
+        manifest gives is kept (the engine was told to stay within it). Returns what changed."""
+        placed = self.ledger.get(actor.name)
+        if placed is None or placed.state != "ready":
+            return {}
+        changed: dict[str, int] = {}
+        gpu_memory = None
+        if placed.gpus and actor.spec.resources.gpu_memory is None and gpus is not None:
+            on_cards = [_used_by(g).get(actor.name, 0) for g in gpus if int(g["index"]) in placed.gpus]
+            if on_cards and max(on_cards) > 0:
+                gpu_memory = math.ceil(max(on_cards) * GPU_MEASURE_MARGIN)
+                changed["gpu_memory"] = gpu_memory
+        ram_charge = None
+        if actor.spec.resources.ram is None and ram:
+            ram_charge = math.ceil(ram * RAM_MEASURE_MARGIN) + RAM_MEASURE_SLACK
+            changed["ram"] = ram_charge
+        if changed:
+            self.ledger.correct(actor.name, gpu_memory=gpu_memory, ram=ram_charge)
+        return changed
+
+
+def _used_by(gpu: dict[str, Any]) -> dict[str, int]:
+    used: dict[str, int] = {}
+    for proc in gpu.get("processes") or []:
+        deployment = proc.get("deployment")
+        if deployment and proc.get("used_memory"):
+            used[deployment] = used.get(deployment, 0) + int(proc["used_memory"])
+    return used
+
+
+async def read_gpus(ctl: Any, host: str) -> list[dict[str, Any]] | None:
+    """NVML's view of ``host``'s cards as host-info reports them; None when it cannot be read."""
+    if host == LOCAL:
+        from ..hosts import NvmlUnavailable, gpu_inventory
+        try:
+            gpus = await asyncio.to_thread(gpu_inventory)
+        except NvmlUnavailable:
+            return None
+        return [asdict(g) for g in gpus]
+    entry = ctl.hosts.get(host)
+    if entry.ssh is None or not entry.online:
+        return None
+    try:
+        info = await ctl.hosts.remote_host_info(entry.ssh)
+    except CapyError:
+        return None
+    if info.get("nvml_error") and not info.get("gpus"):
+        return None
+    entry.info = info
+    return list(info.get("gpus") or [])
+
+
+async def refresh_gpus(ctl: Any, hosts: Iterable[str]) -> None:
+    """Before a plan: read NVML on the hosts where GPU memory is pending release, so memory the
+    driver has freed is free again in the ledger (and memory still held stays charged)."""
+    for host in ctl.memory.pending_gpu_hosts(hosts):
+        gpus = await read_gpus(ctl, host)
+        if gpus is not None:
+            ctl.memory.observe_gpus(host, gpus)
+
+
+async def measure(ctl: Any, actor: "DeploymentActor") -> dict:
+    """Once ``actor`` is ready: measure what it really uses and correct its estimated charges."""
+    spec = actor.spec
+    placed = ctl.memory.ledger.get(actor.name)
+    if spec.nodes > 1 or placed is None or placed.state != "ready":
+        return {}
+    want_gpu = bool(placed.gpus) and spec.resources.gpu_memory is None
+    want_ram = spec.resources.ram is None
+    if not (want_gpu or want_ram):
+        return {}
+    gpus = await read_gpus(ctl, actor.host) if placed.gpus else None
+    ram = None
+    if want_ram:
+        try:
+            ram = await ctl.hosts.systemd(actor.host).memory_current(actor.unit)
+        except CapyError:
+            ram = None
+    if gpus is not None:
+        ctl.memory.observe_gpus(actor.host, gpus)
+    changed = ctl.memory.correct(actor, gpus, ram)
+    if changed:
+        log.info("deployment %s: charges corrected to what was measured: %s", actor.name, changed)
+    return changed
+
+
+# How long a plan that found no room waits for GPU memory pending release to show free in NVML
+# (a process's memory is freed as its CUDA context is torn down, shortly after it exits).
+RELEASE_WAIT_S = 10.0
+RELEASE_POLL_S = 0.25
+
+
+async def wait_released(ctl: Any, hosts: Iterable[str], timeout: float = RELEASE_WAIT_S) -> bool:
+    """Poll NVML until no GPU memory is pending release on ``hosts``; False if some still was
+    after ``timeout`` (or there was none to wait for)."""
+    hosts = list(hosts)
+    if not ctl.memory.pending_gpu_hosts(hosts):
+        return False
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        await refresh_gpus(ctl, hosts)
+        if not ctl.memory.pending_gpu_hosts(hosts):
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(RELEASE_POLL_S)

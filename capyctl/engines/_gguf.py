@@ -67,3 +67,47 @@ def read_string_metadata(path: str, wanted: set[str]) -> dict[str, str]:
             else:
                 _skip(f, kind)
     return found
+
+
+# struct formats of the scalar value types (ggml/include/gguf.h: GGUF_TYPE_UINT8 = 0 ... FLOAT64 = 12).
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                   12: "<d"}
+
+
+def read_metadata(path: str, wanted: set[str]) -> dict[str, object]:
+    """The values of the ``wanted`` keys: numbers, booleans and strings as such, arrays of numbers
+    as lists (some models give ``<arch>.attention.head_count_kv`` per layer); other arrays are
+    skipped. Stops reading once all are found."""
+    found: dict[str, object] = {}
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        version = _u32(f)
+        if version < 2:
+            raise ValueError(f"{path} is GGUF version {version}; only 2 and later are read")
+        _u64(f)  # tensor count
+        for _ in range(_u64(f)):
+            key = _string(f)
+            kind = _u32(f)
+            if key not in wanted:
+                _skip(f, kind)
+                continue
+            if kind in _SCALAR_FORMATS:
+                fmt = _SCALAR_FORMATS[kind]
+                found[key] = struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
+            elif kind == _STRING:
+                found[key] = _string(f)
+            elif kind == _ARRAY:
+                item, count = _u32(f), _u64(f)
+                if item in _SCALAR_FORMATS:
+                    fmt = _SCALAR_FORMATS[item]
+                    size = struct.calcsize(fmt)
+                    found[key] = [struct.unpack(fmt, f.read(size))[0] for _ in range(count)]
+                else:
+                    for _ in range(count):
+                        _skip(f, item)
+            else:
+                raise ValueError(f"unknown GGUF value type {kind}")
+            if len(found) == len(wanted):
+                break
+    return found

@@ -2,7 +2,9 @@
 
 The controller owns one ``Ledger`` built from its hosts' ``HostResources`` and keeps it in step with
 every deployment's state (``place`` / ``set_state`` / ``forget``), feeds it what the inventory sees
-(``observe_free``, ``confirm_released``), and before starting or waking a deployment asks
+(``observe_card``: NVML's free memory and per-deployment use of a GPU; ``observe_free``,
+``confirm_released``) and what a running deployment was measured to use (``correct``), and before
+starting or waking a deployment asks
 ``plan(Request, ledger, [Candidate...], now)`` for a ``Plan``: the host, the cards, and the victims
 to park or stop first. ``Ledger.apply(plan, request)`` records the plan once it is carried out.
 ``idle_to_park(candidates, now)`` lists deployments due to park after their idle time.

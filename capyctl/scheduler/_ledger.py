@@ -198,6 +198,57 @@ class Ledger:
             held -= cut
         self._external[domain] = unexplained - held
 
+    def observe_card(self, domain: str, free: int, used_by: Mapping[str, int]) -> None:
+        """Feed what NVML shows on one GPU: its free memory and the memory each deployment's
+        processes use there (processes mapped to their units; one that cannot be mapped counts
+        only in ``free``).
+
+        A pending release is confirmed once no process of its deployment is on the card, and
+        trimmed to what its processes still use while some are (a process that is exiting, or
+        one parked in place that kept part of its memory). The use that no active charge and no
+        remaining pending release explains becomes the card's external charge (another program,
+        a process NVML could not map, a deployment using more than it is charged).
+
+        Unlike ``observe_free``, a release whose deployment still shows processes on the card is
+        never cleared because a deployment that is starting has not allocated its charge yet.
+        """
+        dom = self._require(domain)
+        if dom.kind != "gpu":
+            raise InvalidRequest(f"{domain!r} is not a GPU", code="not_a_gpu")
+        pending = self._pending[domain]
+        for deployment in list(pending):
+            held = used_by.get(deployment, 0)
+            if held <= 0:
+                del pending[deployment]
+            else:
+                pending[deployment] = min(pending[deployment], held)
+        unexplained = dom.capacity - free - sum(self._active[domain].values()) - sum(pending.values())
+        self._external[domain] = max(0, unexplained)
+
+    def correct(self, deployment: str, *, gpu_memory: int | None = None, ram: int | None = None) -> None:
+        """Replace estimates in a placed deployment's footprint by what was measured once it ran:
+        ``gpu_memory`` on each of its cards, ``ram`` of host RAM (None: keep). A correction is not
+        a release: memory charged by an estimate that turned out too high was never held, so the
+        difference is not left pending."""
+        current = self.get(deployment)
+        if current is None:
+            raise NotFound(f"deployment {deployment!r} has no placement in the ledger", code="not_placed")
+        fp = current.footprint
+        if gpu_memory is not None and not fp.gpus:
+            raise InvalidRequest(f"deployment {deployment!r} has no GPU to correct", code="invalid_placement")
+        new_fp = Footprint(fp.gpus, fp.gpu_memory if gpu_memory is None else gpu_memory,
+                           fp.ram if ram is None else ram, fp.parked_ram)
+        new = Placement(current.deployment, current.host, current.gpus, new_fp, current.state, current.in_place)
+        old_charges, new_charges = self._charges(current), self._charges(new)
+        self._placements[deployment] = new
+        for dom in old_charges.keys() | new_charges.keys():
+            if dom not in self._domains:
+                continue
+            if new_charges.get(dom, 0):
+                self._active[dom][deployment] = new_charges[dom]
+            else:
+                self._active[dom].pop(deployment, None)
+
     # -- queries ----------------------------------------------------------------------------
 
     def charged(self, domain: str) -> int:

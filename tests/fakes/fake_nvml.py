@@ -11,6 +11,7 @@ Install it with ``monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(devices))`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -134,3 +135,35 @@ class FakeNvml:
     def _ready(self) -> None:
         if self.init_count <= 0:
             raise NVMLError(NVML_ERROR_UNINITIALIZED)
+
+
+# -- engines starting on a fake card ----------------------------------------------------------------
+
+class EngineStartFailed(RuntimeError):
+    """What a real engine raises (and dies of) when the card lacks the memory it asked for."""
+
+
+# A CUDA context on a recent NVIDIA card: a few hundred MiB that NVML counts to the process.
+CUDA_CONTEXT = 500 << 20
+
+
+def start_like_vllm(device: FakeDevice, pid: int, fraction: float, *, context: int = CUDA_CONTEXT) -> int:
+    """Start a vLLM worker with ``--gpu-memory-utilization fraction`` on ``device`` as vLLM 0.32.0
+    does: its CUDA context exists first, then ``request_memory`` (vllm/v1/worker/utils.py) asks for
+    ``ceil(total * fraction)`` and raises ValueError("Free memory on device ... is less than desired
+    GPU memory utilization") when the free memory is smaller; otherwise the worker ends up holding
+    that budget in all (weights, activations and KV cache fill it, its context included:
+    determine_available_memory, vllm/v1/worker/gpu_worker.py). Returns the bytes it holds."""
+    if not 0 < fraction <= 1:
+        raise EngineStartFailed(f"gpu_memory_utilization must be in (0, 1], got {fraction}")  # CacheConfig: gt=0, le=1
+    free_after_context = device.total - device.used - context
+    if free_after_context < 0:
+        raise EngineStartFailed("CUDA out of memory while creating the context")
+    requested = math.ceil(device.total * fraction)
+    if free_after_context < requested:
+        raise EngineStartFailed(
+            f"Free memory on device ({free_after_context / 2**30:.2f}/{device.total / 2**30:.2f} GiB) on startup "
+            f"is less than desired GPU memory utilization ({fraction}, {requested / 2**30:.2f} GiB).")
+    device.used += requested
+    device.compute.append((pid, requested))
+    return requested

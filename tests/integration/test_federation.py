@@ -216,7 +216,9 @@ def _run_group_scenario(rig: TwoHostRig, daemon: FederatedDaemon, unit: str) -> 
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
     manifest = daemon.root / "grp.yaml"
-    manifest.write_text(f"name: grp\nengine: sgl\nmodel: {{path: {model}}}\nhosts: [ga, gb]\nnodes: 2\n")
+    # tensor_parallel is the total across the nodes and must be divisible by them (one rank on each here).
+    manifest.write_text(f"name: grp\nengine: sgl\nmodel: {{path: {model}}}\nhosts: [ga, gb]\nnodes: 2\n"
+                        "tensor_parallel: 2\n")
     daemon.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
 
     def units() -> tuple[str, str]:

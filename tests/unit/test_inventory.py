@@ -137,6 +137,8 @@ def test_driver_not_loaded_is_a_cpu_host_with_the_reason(monkeypatch: pytest.Mon
 @pytest.mark.gpu
 def test_real_nvml_lists_this_hosts_gpus() -> None:
     if not _real_nvml_works():
+        if os.environ.get("CAPYCTL_REQUIRE_GPU") == "1":  # scripts/gpu-check: a GPU machine must have NVML
+            pytest.fail("NVML is not available (CAPYCTL_REQUIRE_GPU=1)")
         pytest.skip("needs an NVIDIA GPU (NVML not available)")
     inventory = host_inventory()
     assert inventory.nvml_error is None and inventory.gpus

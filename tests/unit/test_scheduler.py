@@ -79,6 +79,45 @@ def test_observed_free_memory_clears_pending_releases_and_counts_outside_use() -
     assert ledger.charged("gpu:gpu1:0") == 0
 
 
+def test_a_card_observation_confirms_releases_by_process_and_keeps_what_is_still_held() -> None:
+    ledger = one_host(cards=(("H100", 80),))
+    ledger.place("gone", Footprint(1, 30 * GiB, GiB), "gpu1", (0,), "ready")
+    ledger.place("exiting", Footprint(1, 20 * GiB, GiB), "gpu1", (0,), "ready")
+    ledger.place("new", Footprint(1, 25 * GiB, GiB), "gpu1", (0,), "ready")
+    ledger.set_state("gone", "stopped")
+    ledger.set_state("exiting", "stopped")
+    ledger.set_state("new", "starting")  # it has not allocated anything yet
+    # NVML: no process of "gone" any more, "exiting" still holds 8 GiB, "new" nothing yet, plus
+    # 3 GiB of a process nobody knows. observe_free would have cleared "exiting" (use <= charges).
+    used = 8 * GiB + 3 * GiB
+    ledger.observe_card("gpu:gpu1:0", 80 * GiB - used, {"exiting": 8 * GiB})
+    assert ledger.pending("gpu:gpu1:0") == {"exiting": 8 * GiB}
+    assert ledger.external("gpu:gpu1:0") == 0  # "new"'s charge covers the unknown 3 GiB for now
+    assert ledger.free("gpu:gpu1:0") == 80 * GiB - 25 * GiB - 8 * GiB
+    ledger.observe_card("gpu:gpu1:0", 80 * GiB - 25 * GiB - 3 * GiB, {"new": 25 * GiB})
+    assert ledger.pending("gpu:gpu1:0") == {} and ledger.external("gpu:gpu1:0") == 3 * GiB
+    with pytest.raises(CapyError) as info:
+        ledger.observe_card("ram:gpu1", 0, {})
+    assert info.value.code == "not_a_gpu"
+
+
+def test_a_measured_correction_replaces_the_estimate_without_a_pending_release() -> None:
+    ledger = one_host(cards=(("H100", 80),))
+    ledger.place("m", Footprint(1, 30 * GiB, 4 * GiB), "gpu1", (0,), "ready")
+    ledger.correct("m", gpu_memory=12 * GiB, ram=GiB)
+    assert (ledger.charged("gpu:gpu1:0"), ledger.charged("ram:gpu1")) == (12 * GiB, GiB)
+    assert ledger.get("m").footprint == Footprint(1, 12 * GiB, GiB)
+    ledger.correct("m", gpu_memory=40 * GiB)  # an estimate that was too low grows
+    assert ledger.charged("gpu:gpu1:0") == 40 * GiB and ledger.pending("gpu:gpu1:0") == {}
+    ledger.set_state("m", "stopped")  # what it then releases is the corrected amount
+    assert ledger.pending("gpu:gpu1:0") == {"m": 40 * GiB}
+    ledger.place("cpu", Footprint(0, None, GiB), "gpu1", (), "ready")
+    with pytest.raises(CapyError):
+        ledger.correct("cpu", gpu_memory=GiB)
+    with pytest.raises(CapyError):
+        ledger.correct("nobody", ram=GiB)
+
+
 def test_waking_in_place_takes_back_its_own_pending_release() -> None:
     ledger = one_host()
     fp = Footprint(1, 40 * GiB, 2 * GiB, parked_ram=10 * GiB)

