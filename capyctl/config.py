@@ -67,6 +67,21 @@ def unit_name(deployment: str) -> str:
     return f"{UNIT_PREFIX}{deployment}.service"
 
 
+# Engines that serve on a unix socket do so in their unit's RuntimeDirectory=, which systemd
+# creates 0700 for the unit's user at start and removes at stop: /run/capyctl-engine/<name>.
+ENGINE_RUNTIME_PARENT = "capyctl-engine"
+
+
+def engine_socket_runtime_directory(deployment: str) -> str:
+    """The unit's RuntimeDirectory= (relative to /run) that holds its engine socket."""
+    return f"{ENGINE_RUNTIME_PARENT}/{deployment}"
+
+
+def engine_socket_path(deployment: str) -> str:
+    # A name of at most 63 characters keeps this under the 108 bytes of sockaddr_un.sun_path.
+    return f"/run/{engine_socket_runtime_directory(deployment)}/engine.sock"
+
+
 def deployment_from_unit(unit: str) -> str | None:
     if unit.startswith(UNIT_PREFIX) and unit.endswith(".service"):
         return unit[len(UNIT_PREFIX):-len(".service")]

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import unit_name
+from ..config import engine_socket_path, engine_socket_runtime_directory, unit_name
 from ..errors import CapyError, QueueFull, Unavailable
+from ..proxy.connector import socket_base_url
 from ..proxy.router import Upstream
 from ..spec import DeploymentSpec, EngineSpec
 from ..store import Revision
+from ._liveness import Liveness, hung_stop_grace
 
 if TYPE_CHECKING:
     from ._controller import Controller
@@ -82,6 +84,12 @@ class DeploymentActor:
         self.host: str = "local"
         self.port: int | None = None
         self.local_port: int | None = None
+        # An engine served on a unix socket (see capyctl/proxy/connector.py): its path on the
+        # engine's host, and on a remote host the local end of its SSH stream-local forward.
+        self.socket_path: str | None = None
+        self.local_socket: str | None = None
+        # Names of the launch's secret files beside its environment file (SGLang's --config).
+        self.secret_files: list[str] = []
         self.key: str | None = None
         self.model_path: str | None = None
         self.model_commit: str | None = revision.model_commit
@@ -98,6 +106,8 @@ class DeploymentActor:
         self.group: Any = None
         self._group_watch: asyncio.Task | None = None
         self._expect_exit = False
+        # Probes the engine while READY; a hung one is failed (see _liveness.py).
+        self.liveness = Liveness(self)
         self._task = asyncio.create_task(self._run(), name=f"deployment:{self.name}")
 
     # -- identity ---------------------------------------------------------------------------
@@ -128,10 +138,22 @@ class DeploymentActor:
         return self.host != "local"
 
     def upstream(self) -> Upstream:
+        if self.socket_path is not None:
+            return Upstream(deployment=self.name, base_url=socket_base_url(self.name, self.launch_id or "none"),
+                            api_key=self.key, engine=self.controller.engine_kind(self.spec),
+                            capabilities=self.capabilities, served_model=self.served_model,
+                            unix_socket=self.engine_socket(), verdict=self._verdict_of(self.launch_id))
         port = self.local_port if self.remote else self.port
         return Upstream(deployment=self.name, base_url=f"http://127.0.0.1:{port}", api_key=self.key,
                         engine=self.controller.engine_kind(self.spec), capabilities=self.capabilities,
-                        served_model=self.served_model)
+                        served_model=self.served_model, verdict=self._verdict_of(self.launch_id))
+
+    def _verdict_of(self, launch: str | None) -> Callable[[], CapyError | None]:
+        return lambda: self.liveness.verdict(launch)
+
+    def engine_socket(self) -> str | None:
+        """The unix socket this daemon reaches the engine on (local: the engine's own; remote: the forward)."""
+        return self.local_socket if self.remote else self.socket_path
 
     # -- admission (called from request handlers; never changes state) ------------------------
 
@@ -234,6 +256,7 @@ class DeploymentActor:
             log.info("deployment %s: %s -> %s%s", self.name, self.state, state, f" ({reason})" if reason else "")
         self.state = state
         self.reason = reason
+        self.liveness.follow(state == READY)
         if persist:
             self.controller.store.put_runtime(
                 self.name, state, reason=reason, host=self.host, launch_id=self.launch_id, port=self.port,
@@ -284,6 +307,7 @@ class DeploymentActor:
     async def _launch(self, progress: Progress) -> None:
         from ..engines import LaunchContext  # the controller is the one place engines are used
         from ..systemd import TransientUnit
+        from ._memory import gpu_order_environment
 
         ctl = self.controller
         engine = ctl.engine_for(self.spec)
@@ -298,13 +322,23 @@ class DeploymentActor:
         self.key = new_engine_key()
         self.launch_id = secrets.token_hex(8)
         gpu_indices = list(ctl.memory.gpus_for(self))
+        # The planned share of each card, so two models planned on one card both fit (_memory.py).
+        gpu_fraction, gpu_budget = ctl.memory.launch_memory(self)
+        # Engines that can serve on a unix socket do, in the unit's own 0700 runtime directory:
+        # nobody but root (CapyCTL) reaches its routes, development controls included.
+        socket_path = engine_socket_path(self.name) if adapter.unix_socket else None
         ctx = LaunchContext(deployment=self.spec, engine=engine, model_path=resolved.path, port=self.port,
-                            gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(self.spec, self.host))
+                            gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(self.spec, self.host),
+                            socket_path=socket_path, gpu_memory_fraction=gpu_fraction,
+                            gpu_memory_budget=gpu_budget, secret_dir=ctl.secret_dir)
         plan = adapter.build_launch(ctx)
+        self.socket_path = plan.socket_path
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=resolved.path)
         self.served_model = plan.served_model
         env_file = await ctl.write_secret_env_on(self.host, self.name, plan.secret_file_environment(self.key))
-        environment = {**plan.environment, **self.spec.env}
+        await ctl.write_secret_files_on(self.host, plan.secret_file_contents(self.key))
+        self.secret_files = sorted(plan.secret_files)
+        environment = {**plan.environment, **gpu_order_environment(gpu_indices), **self.spec.env}
         unit = TransientUnit(
             name=self.unit,
             description=f"CapyCTL deployment {self.name} (rev {self.revision.revision}, {engine.type})",
@@ -313,8 +347,10 @@ class DeploymentActor:
             memory_max=self.spec.resources.ram, memory_high=None,
             cpu_quota=self.spec.resources.cpus, tasks_max=self.spec.resources.tasks_max,
             devices=ctl.gpu_device_nodes(self.host, gpu_indices),
+            runtime_directory=engine_socket_runtime_directory(self.name) if plan.socket_path else None,
+            private_network=plan.socket_path is not None,
             markers={"deployment": self.name, "revision": str(self.revision.revision), "launch": self.launch_id,
-                     "port": str(self.port)})
+                     "port": str(self.port), **({"socket": plan.socket_path} if plan.socket_path else {})})
         self._set(self.state)  # persist launch id and port before the unit exists: adoption needs them
         progress(f"starting unit {self.unit}" + (f" on host {self.host}" if self.remote else ""))
         self._unit_exited.clear()
@@ -324,14 +360,23 @@ class DeploymentActor:
         await self._ensure_forward()
 
     async def _ensure_forward(self) -> None:
-        """On a remote host, a local port forwarded to the engine's loopback port there."""
-        if self.remote and self.port and not self.controller.hosts.has_forward(self.host, self.local_port):
-            self.local_port = await self.controller.hosts.forward_port(self.host, self.port)
+        """On a remote host, a local socket (or port) forwarded to the engine's socket (or loopback port) there."""
+        if not self.remote:
+            return
+        hosts = self.controller.hosts
+        if self.socket_path is not None:
+            if not hosts.has_forward(self.host, self.local_socket):
+                self.local_socket = await hosts.forward_socket(self.host, self.socket_path)
+        elif self.port and not hosts.has_forward(self.host, self.local_port):
+            self.local_port = await hosts.forward_port(self.host, self.port)
 
     async def _drop_forward(self) -> None:
         if self.local_port is not None:
             await self.controller.hosts.cancel_forward(self.host, self.local_port)
             self.local_port = None
+        if self.local_socket is not None:
+            await self.controller.hosts.cancel_forward(self.host, self.local_socket)
+            self.local_socket = None
 
     def _model_label(self) -> str:
         m = self.spec.model
@@ -415,6 +460,24 @@ class DeploymentActor:
         if self.state == FAILED or (self.state in (STOPPED, PARKED, STOPPING) and not self.parked_in_place):
             return
         await self._fail(code, message)
+
+    async def _do_engine_unresponsive(self, launch_id: str | None, silent: float) -> None:
+        """The liveness watchdog found the engine silent: fail the deployment and stop the unit
+        (SIGTERM and SIGCONT, SIGKILL after a short grace), which cuts the
+        requests in flight; the verdict, recorded first,
+        tells the proxy what to answer them. The restart policy (backoff) applies as for a crash."""
+        if self.state != READY or launch_id != self.launch_id:
+            return  # that launch is gone or no longer serving: nothing to judge
+        error = self.liveness.condemn(launch_id, silent)
+        if self.group is not None:
+            await self._stop_group()  # every member, not only the head's unit
+        else:  # a short grace before SIGKILL, not timeouts.stop: requests in flight wait for the exit
+            self._expect_exit = True
+            try:
+                await self.systemd.stop_unit(self.unit, hung_stop_grace(self.spec.timeouts.stop))
+            except CapyError as exc:
+                log.warning("deployment %s: stopping the hung engine failed: %s", self.name, exc)
+        await self._fail(error.code, error.message)
 
     # -- park and stop ----------------------------------------------------------------------------
 
@@ -504,6 +567,7 @@ class DeploymentActor:
         if self._watch_task:
             self._watch_task.cancel()
         self.controller.remove_secret_env(self.name)
+        await self.controller.remove_secret_files_on(self.host, self.secret_files)
         if self.remote and self.controller.hosts.entries.get(self.host) is not None:
             try:  # the key file on the remote host; an offline host keeps it until it is reused
                 await self.controller.hosts.run(self.host, ["rm", "-f", str(self.controller._secret_path(self.name))])
@@ -517,6 +581,7 @@ class DeploymentActor:
         self.host = runtime.host
         self.port = runtime.port
         self.model_path = runtime.model_path
+        self.socket_path = unit_state.markers.get("socket") or None
         self.key = await self.controller.read_secret_key_on(self.host, self.name)
         self.controller.claim_port(self.name, self.port, self.host)
         # After a reconnect the SSH master re-created the forward on the same local port.
@@ -554,6 +619,8 @@ class DeploymentActor:
 
         started = time.monotonic()
         try:
+            # Each member is budgeted on its host; idle deployments there make room (_memory.py).
+            await self.controller.make_room(self, progress)
             if self.group is None or self.group.state == GROUP_FAILED:
                 members = group_members(self)
                 head = members[0].host
@@ -565,6 +632,7 @@ class DeploymentActor:
                     park_in_place=in_place and self.spec.park == "auto",
                     start_timeout=self.spec.timeouts.start, stop_timeout=self.spec.timeouts.stop)
             self.host = self.group.head.member.host
+            self.socket_path = None  # group heads serve on TCP: their members must reach each other
             if self.group.state == GROUP_PARKED and self.group.park_in_place:
                 self._set(WAKING)
                 progress("waking the group through its head")
@@ -638,6 +706,7 @@ class DeploymentActor:
             "name": self.name, "state": self.state, "reason": self.reason, "revision": self.revision.revision,
             "engine": spec.engine, "unit": self.unit, "model": self._model_label(),
             "model_commit": self.model_commit, "port": self.port if self.state in RUNNING_STATES else None,
+            "socket": self.socket_path if self.state in RUNNING_STATES or self.parked_in_place else None,
             "hosts": spec.hosts[:spec.nodes] if spec.nodes > 1
             else [self.host] if self.launch_id or not spec.hosts else spec.hosts,
             "host_state": self._host_state(), "in_flight": self.in_flight, "waiting": self.waiting,
@@ -651,6 +720,7 @@ class DeploymentActor:
         return entry.state if entry is not None else "unknown"
 
     async def close(self) -> None:
+        self.liveness.stop()
         for task in (self._task, self._watch_task):
             if task and not task.done():
                 task.cancel()

@@ -17,13 +17,16 @@ import aiohttp
 
 from ..config import DaemonConfig, deployment_from_unit, unit_name
 from ..errors import CapyError, Conflict, NotFound, Unavailable
+from ..proxy.connector import EngineConnector
 from ..proxy.router import ModelEntry, Upstream
+from ..scheduler import NoRoom
 from ..spec import DeploymentSpec, EngineSpec
 from ..store import Revision, Store
 from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, STOPPED, Busy, DeploymentActor, Progress,
                      _no_progress)
 from ._hosts import LOCAL, HostRegistry
-from ._memory import MemoryPlanner
+from ._memory import MemoryPlanner, refresh_gpus, wait_released
+from ._memory import measure as measure_memory
 
 log = logging.getLogger("capyctl.controller")
 
@@ -46,6 +49,7 @@ class Controller:
         self._ports: dict[str, tuple[str, int]] = {}  # deployment -> (host, engine port there)
         self._idle_task: asyncio.Task | None = None
         self._listeners: list[Callable[[DeploymentActor], None]] = []
+        self._measuring: set[asyncio.Task] = set()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -54,7 +58,7 @@ class Controller:
         self.paths.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.paths.secrets_dir, 0o700)
         # No pool limit: 200 concurrent streams must not queue inside the client.
-        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+        self.http = aiohttp.ClientSession(connector=EngineConnector(limit=0, resolve=self._engine_socket),
                                           timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         for dep in self.store.list_deployments():
             revision = self.store.current_revision(dep.name)
@@ -124,6 +128,14 @@ class Controller:
             await self.http.close()
 
     # -- engines, models, ports, secrets ------------------------------------------------------------
+
+    def _engine_socket(self, label: str) -> str | None:
+        """The unix socket of the engine a connection label (``<launch>.<deployment>.engine``) names."""
+        launch, _, rest = label.partition(".")
+        actor = self.actors.get(rest.rpartition(".")[0])
+        if actor is None or actor.launch_id != launch:
+            return None
+        return actor.engine_socket()
 
     def engine_for(self, spec: DeploymentSpec) -> EngineSpec:
         registered = self.store.get_engine(spec.engine)
@@ -227,15 +239,33 @@ class Controller:
 
     def write_secret_env(self, name: str, env: dict[str, str]) -> Path:
         path = self._secret_path(name)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            for key, value in env.items():
-                f.write(f"{key}={value}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _write_private(path, "".join(f"{key}={value}\n" for key, value in env.items()))
         return path
+
+    @property
+    def secret_dir(self) -> str:
+        """Where an engine's secret files (LaunchPlan.secret_files) are written, 0700 root."""
+        return str(self.paths.secrets_dir)
+
+    async def write_secret_files_on(self, host: str, files: dict[str, str]) -> None:
+        """An engine's secret files (SGLang's --config with its key), 0600, on the unit's host."""
+        for name, text in files.items():
+            path = self.paths.secrets_dir / name
+            if host == LOCAL:
+                _write_private(path, text)
+            else:
+                await self.hosts.write_private_file(host, path, text.encode())
+
+    async def remove_secret_files_on(self, host: str, names: list[str]) -> None:
+        paths = [self.paths.secrets_dir / name for name in names]
+        if host == LOCAL:
+            for path in paths:
+                path.unlink(missing_ok=True)
+        elif paths and self.hosts.entries.get(host) is not None:
+            try:
+                await self.hosts.run(host, ["rm", "-f", *map(str, paths)])
+            except CapyError as exc:
+                log.warning("could not remove secret files %s on %s: %s", names, host, exc)
 
     def read_secret_key(self, name: str) -> str | None:
         try:
@@ -330,7 +360,15 @@ class Controller:
         async with self._placement_lock:
             for attempt in range(5):
                 hosts = self.allowed_hosts(actor)
-                victims = self.memory.plan(actor, list(self.actors.values()), time.time(), hosts)
+                # GPU memory of stopped deployments counts until NVML shows it free (_memory.py).
+                gpu_hosts = tuple(actor.spec.hosts[:actor.spec.nodes]) if actor.spec.nodes > 1 else hosts
+                await refresh_gpus(self, gpu_hosts)
+                try:
+                    victims = self.memory.plan(actor, list(self.actors.values()), time.time(), hosts)
+                except NoRoom:
+                    if not await wait_released(self, gpu_hosts):
+                        raise
+                    victims = self.memory.plan(actor, list(self.actors.values()), time.time(), hosts)
                 if not victims:
                     actor.host = self.memory.planned_host(actor) or hosts[0]
                     self.memory.charge(actor)
@@ -351,8 +389,19 @@ class Controller:
 
     def on_state_change(self, actor: DeploymentActor) -> None:
         self.memory.observe(actor)
+        if actor.state == READY:
+            # Charges estimated from the model are corrected by what the engine really uses.
+            task = asyncio.create_task(self._measure(actor), name=f"measure:{actor.name}")
+            self._measuring.add(task)
+            task.add_done_callback(self._measuring.discard)
         for listener in self._listeners:
             listener(actor)
+
+    async def _measure(self, actor: DeploymentActor) -> None:
+        try:
+            await measure_memory(self, actor)
+        except Exception:  # a failed measurement keeps the estimate; it must not hurt the deployment
+            log.warning("deployment %s: measuring its memory failed", actor.name, exc_info=True)
 
     async def _park_idle_loop(self) -> None:
         while True:
@@ -465,3 +514,15 @@ class Controller:
             except Exception:
                 pass
         return info
+
+
+def _write_private(path: Path, text: str) -> None:
+    """A 0600 file written whole or not at all (a temporary file renamed in place): a reader
+    such as systemd at exec time never sees half a key."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -298,14 +298,20 @@ class HostRegistry:
         assert entry.ssh is not None
         return await entry.ssh.forward_tcp(remote_port)
 
-    async def cancel_forward(self, name: str, local_port: int) -> None:
+    async def forward_socket(self, name: str, remote_path: str) -> str:
+        """A local unix socket (0600: ssh's StreamLocalBindMask) relayed to ``remote_path`` on host ``name``."""
+        entry = self.require_online(name)
+        assert entry.ssh is not None
+        return await entry.ssh.forward_unix(remote_path)
+
+    async def cancel_forward(self, name: str, local_port: int | str) -> None:
         entry = self.entries.get(name)
         if entry is None or entry.ssh is None:
             return
         with contextlib.suppress(CapyError):
             await entry.ssh.cancel_forward(local_port)
 
-    def has_forward(self, name: str, local_port: int | None) -> bool:
+    def has_forward(self, name: str, local_port: int | str | None) -> bool:
         entry = self.entries.get(name)
         if entry is None or entry.ssh is None or local_port is None:
             return False

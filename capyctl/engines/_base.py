@@ -17,6 +17,8 @@ ParkMethod = Literal["stop", "in_place"]
 # The environment-file variable that holds the per-launch key. systemd expands "${NAME}" in
 # ExecStart= at exec time from the unit's environment, so the key never appears in argv.
 DEFAULT_KEY_ENV = "CAPYCTL_ENGINE_KEY"
+# Where the key goes in a LaunchPlan.secret_files text.
+SECRET_FILE_KEY = "{key}"
 
 # A health probe is polled; one hung probe must not stall the poller.
 HEALTH_TIMEOUT_S = 5.0
@@ -43,9 +45,17 @@ class LaunchContext:
     # The share of each planned card's total memory this deployment may take, from the plan
     # (vLLM --gpu-memory-utilization, SGLang --mem-fraction-static). None: the engine's default.
     gpu_memory_fraction: float | None = None
+    # The same budget in bytes on each planned card (llama.cpp's -ngl is sized from it: all layers
+    # when the model, its KV cache and compute buffers fit, else as many as fit). None: no budget
+    # (a whole card, or no GPU).
+    gpu_memory_budget: int | None = None
     # How many hosts one model instance spans (multi-node groups). vLLM and SGLang read the
     # tensor-parallel size as the total across nodes; each node holds tensor_parallel / nnodes.
     nnodes: int = 1
+    # The 0700 directory, on the engine's host, where the controller writes this launch's
+    # LaunchPlan.secret_files (beside its 0600 environment file), for engines that read their key
+    # only from a file (SGLang's --config YAML). None: the controller writes no such files.
+    secret_dir: str | None = None
 
     @property
     def accelerated(self) -> bool:
@@ -77,6 +87,15 @@ class LaunchPlan:
     # The unix socket the engine will serve on (the context's socket_path, when the adapter used
     # it); None when it serves on TCP at the context's host and port.
     socket_path: str | None = None
+    # Files the engine reads its key from, by file name (the adapter names them in argv as
+    # ``<ctx.secret_dir>/<name>``); each text holds SECRET_FILE_KEY where the key goes. Before it
+    # starts the unit the controller writes :meth:`secret_file_contents` there, 0600 and owned by
+    # the unit's user, and removes them with the launch's environment file.
+    secret_files: dict[str, str] = field(default_factory=dict)
+
+    def secret_file_contents(self, key: str) -> dict[str, str]:
+        """The secret files' texts with the key in place of SECRET_FILE_KEY."""
+        return {name: text.replace(SECRET_FILE_KEY, key) for name, text in self.secret_files.items()}
 
     def secret_file_environment(self, key: str) -> dict[str, str]:
         """The variables of the 0600 environment file: the key under ``key_env`` and every engine name for it."""
@@ -110,11 +129,21 @@ def require_path(ctx: LaunchContext) -> str:
 
 
 def require_gpus_for_tp(ctx: LaunchContext) -> int:
+    """The tensor-parallel size to pass the engine: the deployment's total across its nodes (vLLM
+    and SGLang split it evenly: each of ``ctx.nnodes`` nodes runs tensor_parallel / nnodes ranks,
+    vllm/engine/arg_utils.py 0.32.0), after checking this node was given a GPU for each of its ranks."""
     tp = ctx.deployment.tensor_parallel
-    if tp > 1 and len(ctx.gpu_indices) < tp:
+    nnodes = max(1, ctx.nnodes)
+    if tp % nnodes:
         raise CapyError(
-            f"deployment {ctx.deployment.name!r} asks for tensor_parallel {tp} but was given "
-            f"{len(ctx.gpu_indices)} GPU(s) {ctx.gpu_indices}", code="gpu_count_mismatch", status=400)
+            f"deployment {ctx.deployment.name!r} asks for tensor_parallel {tp} across {nnodes} nodes; "
+            "tensor_parallel must be divisible by nodes", code="invalid_topology", status=400)
+    per_node = tp // nnodes
+    if per_node > 1 and len(ctx.gpu_indices) < per_node:
+        where = f" on each of its {nnodes} nodes" if nnodes > 1 else ""
+        raise CapyError(
+            f"deployment {ctx.deployment.name!r} asks for tensor_parallel {tp} ({per_node} GPU(s){where}) but "
+            f"was given {len(ctx.gpu_indices)} GPU(s) {ctx.gpu_indices}", code="gpu_count_mismatch", status=400)
     return tp
 
 
@@ -173,6 +202,11 @@ class EngineAdapter(ABC):
 
     def park_method(self, target: LaunchContext | DeploymentSpec) -> ParkMethod:
         return "stop"
+
+    def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
+        """Host RAM an in-place park keeps: by default the weights (SGLang's CPU backup keeps a
+        pinned copy of them, a custom engine's park is not known to free them)."""
+        return model_bytes
 
     @abstractmethod
     def build_launch(self, ctx: LaunchContext) -> LaunchPlan:

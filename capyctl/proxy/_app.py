@@ -24,6 +24,7 @@ from . import _systemone
 from ._errors import error_response, sse_error_event
 from ._keys import KeyGrant, KeyVerifier
 from ._metrics import ProxyMetrics
+from .connector import EngineConnector
 from .router import Router, Upstream
 
 log = logging.getLogger("capyctl.proxy")
@@ -83,7 +84,7 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     # limit=0: no pool limit, so 200 concurrent streams never queue inside aiohttp
     # (admission is the Router's job, not the connection pool's).
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+    connector = EngineConnector(limit=0, keepalive_timeout=30)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         app[SESSION] = session
@@ -254,6 +255,9 @@ async def _systemone_route(request: web.Request) -> web.StreamResponse:
             request[_DEPLOYMENT] = upstream.deployment
             if "systemone" in upstream.capabilities:
                 return await _forward(request, upstream, "/v1/systemone", _payload_for(upstream, raw, body, model))
+            if "decisions" in upstream.capabilities:  # TensorFold: the same questions, its own shape
+                _systemone.check_decidable(parsed)
+                return web.json_response(await _answer_from_decisions(request, upstream, parsed))
             if "logprobs" in upstream.capabilities:
                 _systemone.check_answerable(parsed)
                 return web.json_response(await _answer_from_logprobs(request, upstream, parsed))
@@ -275,7 +279,15 @@ def _upstream_headers(upstream: Upstream) -> dict[str, str]:
     return headers
 
 
+def _verdict(upstream: Upstream) -> CapyError | None:
+    """Why CapyCTL cut this engine (a hung engine its watchdog stopped), if it did."""
+    return upstream.verdict() if upstream.verdict is not None else None
+
+
 def _unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
+    verdict = _verdict(upstream)
+    if verdict is not None:  # the connection broke because CapyCTL stopped the engine: say why
+        return verdict
     if isinstance(exc, TimeoutError):
         return CapyError(f"The engine of '{upstream.deployment}' did not answer in time.",
                          code="engine_timeout", status=504)
@@ -287,8 +299,11 @@ async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
                          payload: bytes) -> aiohttp.ClientResponse:
     state = request.app[STATE]
     timeout = aiohttp.ClientTimeout(total=state.request_timeout, sock_connect=CONNECT_TIMEOUT)
+    session = request.app[SESSION]
+    if upstream.unix_socket is not None:
+        session.connector.route(upstream.base_url, upstream.unix_socket)  # type: ignore[union-attr]
     try:
-        response = await request.app[SESSION].post(upstream.base_url.rstrip("/") + path, data=payload,
+        response = await session.post(upstream.base_url.rstrip("/") + path, data=payload,
                                                    headers=_upstream_headers(upstream), timeout=timeout)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise _unreachable(upstream, exc) from exc
@@ -331,7 +346,7 @@ async def _stream(request: web.Request, upstream: Upstream,
     await response.prepare(request)
     # Whole events only, written as soon as they arrive: if the engine dies halfway
     # through an event, the client gets our error event, not a torn line glued to it.
-    pending = b""
+    pending = written_tail = b""
     while True:
         try:
             chunk = await upstream_response.content.readany()
@@ -350,7 +365,15 @@ async def _stream(request: web.Request, upstream: Upstream,
             except ConnectionError:
                 request[_OUTCOME] = CLIENT_CLOSED
                 return response
+            written_tail = pending[max(0, cut - 32):cut]
             pending = pending[cut:]
+    verdict = _verdict(upstream)
+    if verdict is not None and b"[DONE]" not in written_tail + pending:
+        # An engine stopped by CapyCTL may end its stream cleanly but unfinished: without this
+        # event the client would take a cut-off answer for a whole one.
+        request[_OUTCOME] = verdict.status
+        log.warning("proxy: stream from %s was cut: %s", upstream.deployment, verdict)
+        return await _finish(request, response, sse_error_event(verdict))  # a torn event is dropped
     return await _finish(request, response, pending)
 
 
@@ -362,6 +385,33 @@ async def _finish(request: web.Request, response: web.StreamResponse, last: byte
     except ConnectionError:
         request[_OUTCOME] = CLIENT_CLOSED
     return response
+
+
+async def _answer_from_decisions(request: web.Request, upstream: Upstream,
+                                 parsed: _systemone.SystemOneRequest) -> dict[str, Any]:
+    """One POST /v1/decisions for every question, its answer translated back (_systemone has the shapes)."""
+    payload = _systemone.decisions_request(parsed, upstream.served_model or parsed.model)
+    upstream_response = await _open_upstream(request, upstream, "/v1/decisions", json.dumps(payload).encode())
+    try:
+        try:
+            answer = await upstream_response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _unreachable(upstream, exc) from exc
+        except ValueError:
+            answer = None
+    finally:
+        upstream_response.close()
+    if upstream_response.status == 200:
+        return _systemone.from_decisions_response(parsed, answer)
+    error = answer.get("error") if isinstance(answer, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if upstream_response.status == 400 and isinstance(message, str):
+        # TensorFold refuses what its tokenizer or context cannot score, and engines without
+        # label scoring, with 400 and a sentence (docs/api.md "Decisions"): pass the sentence on.
+        raise CapyError(f"The engine of '{upstream.deployment}' cannot answer this request: {message}",
+                        code="systemone_unsupported", status=400)
+    raise CapyError(f"The engine of '{upstream.deployment}' answered {upstream_response.status} to /v1/decisions: "
+                    f"{json.dumps(error)[:300]}", code="engine_error", status=502)
 
 
 async def _answer_from_logprobs(request: web.Request, upstream: Upstream,

@@ -7,7 +7,10 @@ daemon hands it an object that satisfies ``Router``. Tests hand it a fake.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import AsyncContextManager, Protocol
+from typing import TYPE_CHECKING, AsyncContextManager, Callable, Protocol
+
+if TYPE_CHECKING:
+    from ..errors import CapyError
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,10 @@ class Upstream:
     # When set, the engine serves on this unix socket (base_url's host is then only a label):
     # connect there instead of TCP.
     unix_socket: str | None = None
+    # Why CapyCTL cut this launch's engine, if it did (its liveness watchdog stopped a hung
+    # engine): asked when the connection to the engine breaks, so the client gets that error
+    # instead of a bare disconnect. None, or a callable answering None, when CapyCTL cut nothing.
+    verdict: Callable[[], CapyError | None] | None = field(default=None, compare=False, repr=False)
 
 
 class Router(Protocol):

@@ -20,7 +20,8 @@ ENGINE_KIND_ALIASES = {
     "llama-server": "llama.cpp", "vllm": "vllm", "sglang": "sglang",
     "tensorfold": "tensorfold", "custom": "custom",
 }
-CAPABILITIES = ("chat", "completions", "embeddings", "systemone", "logprobs", "tools")
+# "decisions": the engine answers TensorFold's POST /v1/decisions, onto which the proxy maps /v1/systemone.
+CAPABILITIES = ("chat", "completions", "embeddings", "systemone", "logprobs", "tools", "decisions")
 
 
 class _Strict(BaseModel):
@@ -69,7 +70,7 @@ ModelRef = Union[HubModel, PathModel]
 
 
 class Resources(_Strict):
-    gpus: int = Field(default=0, ge=0, le=64, description="Number of identical GPUs the deployment needs (0: CPU only).")
+    gpus: int = Field(default=0, ge=0, le=64, description="Number of identical GPUs the deployment needs (0: CPU only); on each node of a multi-node deployment.")
     gpu_memory: Size | None = Field(default=None, description="GPU memory needed on each of its GPUs (8GiB, 40G).")
     ram: Size | None = Field(default=None, description="Host RAM budget; becomes the unit's MemoryMax (2GiB, 512M).")
     cpus: float | None = Field(default=None, gt=0, le=1024, description="CPU time in cores; becomes CPUQuota (1.5 = 150%).")
@@ -82,6 +83,11 @@ class Timeouts(_Strict):
     park: Duration = Field(default=120.0, gt=0, description="Longest wait for in-flight requests to drain and the engine to park.")
     stop: Duration = Field(default=30.0, gt=0, description="Grace time after SIGTERM before the unit is killed.")
     request: Duration = Field(default=600.0, gt=0, description="Longest time one proxied request may take.")
+    unresponsive: Duration = Field(
+        default=30.0, ge=1, description="A ready engine whose health check has not answered for this long "
+        "(hung, or stopped with SIGSTOP) is declared failed (`engine_unresponsive`) and its unit stopped; "
+        "its requests in flight get that error, and the next request after the restart backoff starts it "
+        "again. Probed every few seconds; noticed within about this plus 10s.")
 
 
 class DeploymentSpec(_Strict):
@@ -93,7 +99,8 @@ class DeploymentSpec(_Strict):
     model: ModelRef = Field(description="`{hf: org/name[@revision]}` or `{path: /abs/dir-or-file}`.")
     aliases: list[str] = Field(default_factory=list, description="Other model names clients may ask for.")
     resources: Resources = Field(default_factory=Resources)
-    tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs one model instance spans on one host.")
+    tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs one model instance spans: on one host, "
+                                 "or in total across its `nodes` (each node holds tensor_parallel / nodes).")
     hosts: list[str] = Field(default_factory=list, description="Hosts to run on; empty lets the scheduler choose.")
     nodes: int = Field(default=1, ge=1, le=16, description="Machines one model instance spans through the engine's "
                        "multi-node mode (vLLM, SGLang): one member on each of the first `nodes` hosts, head first.")
@@ -132,10 +139,18 @@ class DeploymentSpec(_Strict):
 
     @model_validator(mode="after")
     def _topology(self) -> "DeploymentSpec":
-        if self.tensor_parallel > 1 and self.resources.gpus and self.tensor_parallel > self.resources.gpus:
+        if self.nodes > 1 and self.tensor_parallel % self.nodes:
+            # vLLM and SGLang read the tensor-parallel size as the total across nodes and split it
+            # evenly (vLLM refuses a world size that --nnodes does not divide: engine/arg_utils.py).
             raise ValueError(
-                f"tensor_parallel is {self.tensor_parallel} but resources.gpus is {self.resources.gpus}: "
-                "each tensor-parallel rank needs its own GPU")
+                f"tensor_parallel is {self.tensor_parallel} but nodes is {self.nodes}: tensor_parallel is the total "
+                "across the nodes and must be divisible by nodes (each node holds tensor_parallel / nodes ranks)")
+        per_node = self.tensor_parallel // self.nodes
+        if per_node > 1 and self.resources.gpus and per_node > self.resources.gpus:
+            raise ValueError(
+                f"tensor_parallel is {self.tensor_parallel} but resources.gpus is {self.resources.gpus}"
+                + (f" on each of {self.nodes} nodes" if self.nodes > 1 else "")
+                + ": each tensor-parallel rank needs its own GPU")
         if self.nodes > 1 and len(self.hosts) < self.nodes:
             raise ValueError(f"nodes is {self.nodes} but hosts names {len(self.hosts)}: "
                              "a multi-node deployment lists the hosts its members run on, head first")
@@ -145,7 +160,9 @@ class DeploymentSpec(_Strict):
 
     @property
     def gpus_needed(self) -> int:
-        return max(self.resources.gpus, self.tensor_parallel if self.tensor_parallel > 1 else 0)
+        """GPUs on each host the deployment runs on (each node's share of a multi-node group)."""
+        per_node = self.tensor_parallel // self.nodes
+        return max(self.resources.gpus, per_node if per_node > 1 else 0)
 
 
 class HttpCall(_Strict):
@@ -167,7 +184,8 @@ class EngineSpec(_Strict):
     park: HttpCall | None = Field(default=None, description="custom: HTTP call that releases GPU memory in place.")
     wake: HttpCall | None = Field(default=None, description="custom: HTTP call that restores it.")
     env: dict[str, str] = Field(default_factory=dict)
-    capabilities: list[Literal["chat", "completions", "embeddings", "systemone", "logprobs", "tools"]] = Field(
+    capabilities: list[Literal["chat", "completions", "embeddings", "systemone", "logprobs", "tools",
+                               "decisions"]] = Field(
         default_factory=lambda: ["chat", "completions"])
 
     @field_validator("type", mode="before")

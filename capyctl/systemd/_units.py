@@ -54,6 +54,13 @@ class TransientUnit:
     read_write_paths: list[str] = field(default_factory=list)
     user: str | None = None
     group: str | None = None
+    # A directory under /run that systemd creates for the unit (owned by its user, mode
+    # runtime_directory_mode) and removes when it stops: where an engine's unix socket lives.
+    runtime_directory: str | None = None
+    runtime_directory_mode: int = 0o700
+    # A network namespace of the unit's own with only loopback: for an engine served on a unix
+    # socket, nothing on the machine can reach it over TCP either.
+    private_network: bool = False
     hardening: bool = True
     # KillMode=mixed: SIGTERM to the main process, SIGKILL to stragglers after the timeout.
     stop_timeout: float = 30.0
@@ -80,6 +87,9 @@ class TransientUnit:
             raise SystemdError("cpu_quota must be a positive number of cores.", code="invalid_unit")
         if self.allowed_cpus is not None:
             parse_cpu_list(self.allowed_cpus)
+        if self.runtime_directory is not None and (
+                self.runtime_directory.startswith("/") or ".." in self.runtime_directory.split("/")):
+            raise SystemdError("The runtime directory must be a relative path below /run.", code="invalid_unit")
 
     def environment_entries(self) -> list[str]:
         entries = [f"{k}={v}" for k, v in self.environment.items()]
@@ -127,6 +137,11 @@ class TransientUnit:
             props.append(("User", Variant("s", self.user)))
         if self.group:
             props.append(("Group", Variant("s", self.group)))
+        if self.runtime_directory is not None:
+            props.append(("RuntimeDirectory", Variant("as", [self.runtime_directory])))
+            props.append(("RuntimeDirectoryMode", Variant("u", self.runtime_directory_mode)))
+        if self.private_network:
+            props.append(("PrivateNetwork", Variant("b", True)))
         if self.devices:
             allowed = list(dict.fromkeys([*self.devices, *GPU_CONTROL_DEVICES]))
             props.append(("DevicePolicy", Variant("s", "closed")))

