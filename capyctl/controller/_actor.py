@@ -22,10 +22,14 @@ from ..proxy.connector import socket_base_url
 from ..proxy.router import Upstream
 from ..spec import DeploymentSpec, EngineSpec
 from ..store import Revision
+from ._group import FAILED as GROUP_FAILED
+from ._group import PARKED as GROUP_PARKED
+from ._group import ModelGroup
+from ._keys import new_engine_key
 from ._liveness import Liveness, hung_stop_grace
-
-if TYPE_CHECKING:
-    from ._controller import Controller
+from ._members import UnitMembers, group_members
+from ._memory import gpu_order_environment
+from ._services import DeploymentServices
 
 log = logging.getLogger("capyctl.controller")
 
@@ -44,13 +48,6 @@ def _no_progress(_: str) -> None:
     pass
 
 
-def new_engine_key() -> str:
-    """A per-launch engine key. Hex, not urlsafe base64: a key that starts with "-" (one launch in
-    64) is read by the engines' argparse (SGLang's and vLLM's --api-key) as an option, and the
-    engine exits with status 2."""
-    return secrets.token_hex(32)
-
-
 class Busy(CapyError):
     code = "deployment_busy"
     status = 409
@@ -64,7 +61,7 @@ class _Command:
 
 
 class DeploymentActor:
-    def __init__(self, controller: "Controller", revision: Revision) -> None:
+    def __init__(self, controller: DeploymentServices, revision: Revision) -> None:
         self.controller = controller
         self.revision = revision
         self.state = STOPPED
@@ -129,9 +126,14 @@ class DeploymentActor:
         return self.in_flight > 0 or self.waiting > 0
 
     @property
+    def has_pending_commands(self) -> bool:
+        """A park, wake or stop is queued: the deployment is about to change."""
+        return not self._commands.empty()
+
+    @property
     def systemd(self) -> Any:
         """The systemd of the host this deployment runs on (raises host_offline while it is offline)."""
-        return self.controller.hosts.systemd(self.host)
+        return self.controller.systemd_on(self.host)
 
     @property
     def remote(self) -> bool:
@@ -171,7 +173,7 @@ class DeploymentActor:
         if self.waiting >= self.spec.queue:
             raise QueueFull(f"deployment {self.name!r} has {self.waiting} requests waiting, its limit",
                             retry_after=self._retry_after())
-        if self.controller.total_waiting() >= self.controller.config.queue_total:
+        if self.controller.total_waiting() >= self.controller.queue_total:
             raise QueueFull(f"{self.controller.total_waiting()} requests are waiting across all deployments, "
                             "the limit", retry_after=self._retry_after())
         self.waiting += 1
@@ -258,7 +260,7 @@ class DeploymentActor:
         self.reason = reason
         self.liveness.follow(state == READY)
         if persist:
-            self.controller.store.put_runtime(
+            self.controller.record_runtime(
                 self.name, state, reason=reason, host=self.host, launch_id=self.launch_id, port=self.port,
                 model_path=self.model_path)
         self.controller.on_state_change(self)
@@ -307,7 +309,6 @@ class DeploymentActor:
     async def _launch(self, progress: Progress) -> None:
         from ..engines import LaunchContext  # the controller is the one place engines are used
         from ..systemd import TransientUnit
-        from ._memory import gpu_order_environment
 
         ctl = self.controller
         engine = ctl.engine_for(self.spec)
@@ -321,9 +322,9 @@ class DeploymentActor:
         self.port = await ctl.lease_port(self.name, self.host)
         self.key = new_engine_key()
         self.launch_id = secrets.token_hex(8)
-        gpu_indices = list(ctl.memory.gpus_for(self))
+        gpu_indices = list(ctl.gpus_for(self))
         # The planned share of each card, so two models planned on one card both fit (_memory.py).
-        gpu_fraction, gpu_budget = ctl.memory.launch_memory(self)
+        gpu_fraction, gpu_budget = ctl.launch_memory(self)
         # Engines that can serve on a unix socket do, in the unit's own 0700 runtime directory:
         # nobody but root (CapyCTL) reaches its routes, development controls included.
         socket_path = engine_socket_path(self.name) if adapter.unix_socket else None
@@ -363,7 +364,7 @@ class DeploymentActor:
         """On a remote host, a local socket (or port) forwarded to the engine's socket (or loopback port) there."""
         if not self.remote:
             return
-        hosts = self.controller.hosts
+        hosts = self.controller
         if self.socket_path is not None:
             if not hosts.has_forward(self.host, self.local_socket):
                 self.local_socket = await hosts.forward_socket(self.host, self.socket_path)
@@ -372,10 +373,10 @@ class DeploymentActor:
 
     async def _drop_forward(self) -> None:
         if self.local_port is not None:
-            await self.controller.hosts.cancel_forward(self.host, self.local_port)
+            await self.controller.cancel_forward(self.host, self.local_port)
             self.local_port = None
         if self.local_socket is not None:
-            await self.controller.hosts.cancel_forward(self.host, self.local_socket)
+            await self.controller.cancel_forward(self.host, self.local_socket)
             self.local_socket = None
 
     def _model_label(self) -> str:
@@ -566,13 +567,9 @@ class DeploymentActor:
         await self._do_stop()
         if self._watch_task:
             self._watch_task.cancel()
-        self.controller.remove_secret_env(self.name)
+        # The key files on the unit's host; an offline host keeps them until they are reused.
+        await self.controller.remove_secret_env_on(self.host, self.name)
         await self.controller.remove_secret_files_on(self.host, self.secret_files)
-        if self.remote and self.controller.hosts.entries.get(self.host) is not None:
-            try:  # the key file on the remote host; an offline host keeps it until it is reused
-                await self.controller.hosts.run(self.host, ["rm", "-f", str(self.controller._secret_path(self.name))])
-            except CapyError as exc:
-                log.warning("deployment %s: could not remove its key file on %s: %s", self.name, self.host, exc)
         return "deleted"
 
     async def _do_adopt(self, unit_state: Any, runtime: Any) -> str:
@@ -612,10 +609,6 @@ class DeploymentActor:
     async def _wake_group(self, progress: Progress) -> str:
         """Start (head first) or wake the group; the head's API is this deployment's upstream.
         Group members are not budgeted by the scheduler: they are placed by ``hosts``."""
-        from ._group import FAILED as GROUP_FAILED
-        from ._group import PARKED as GROUP_PARKED
-        from ._group import ModelGroup
-        from ._members import UnitMembers, group_members
 
         started = time.monotonic()
         try:
@@ -628,7 +621,7 @@ class DeploymentActor:
                 in_place = self.controller.adapter(self.spec).park_method(self.spec) == "in_place"
                 self.group = ModelGroup(
                     self.name, self.controller.engine_kind(self.spec), members, self.members,
-                    dist_port=await self.controller.hosts.free_port(head, set()),
+                    dist_port=await self.controller.free_port_on(head),
                     park_in_place=in_place and self.spec.park == "auto",
                     start_timeout=self.spec.timeouts.start, stop_timeout=self.spec.timeouts.stop)
             self.host = self.group.head.member.host
@@ -694,7 +687,6 @@ class DeploymentActor:
             self._group_watch = None
         await group.stop()
         if keep:
-            from ._group import PARKED as GROUP_PARKED
             group.state = GROUP_PARKED
         self._unit_exited.set()
 
@@ -716,8 +708,7 @@ class DeploymentActor:
         }
 
     def _host_state(self) -> str:
-        entry = self.controller.hosts.entries.get(self.host)
-        return entry.state if entry is not None else "unknown"
+        return self.controller.host_state(self.host)
 
     async def close(self) -> None:
         self.liveness.stop()

@@ -280,6 +280,16 @@ class Controller:
     def remove_secret_env(self, name: str) -> None:
         self._secret_path(name).unlink(missing_ok=True)
 
+    async def remove_secret_env_on(self, host: str, name: str) -> None:
+        """The launch's environment file, on the host its unit ran on (an offline host keeps it)."""
+        if host == LOCAL:
+            self.remove_secret_env(name)
+        elif self.hosts.entries.get(host) is not None:
+            try:
+                await self.hosts.run(host, ["rm", "-f", str(self._secret_path(name))])
+            except CapyError as exc:
+                log.warning("could not remove the key file of %s on %s: %s", name, host, exc)
+
     async def journal(self, unit: str, lines: int, host: str = LOCAL) -> list[str]:
         if host != LOCAL:
             return await self.hosts.journal(host, unit, lines)
@@ -287,6 +297,33 @@ class Controller:
         return await journal_tail(unit, lines)
 
     # -- hosts --------------------------------------------------------------------------------------
+
+    def systemd_on(self, host: str) -> Any:
+        """The systemd of ``host`` (raises host_offline while it is offline)."""
+        return self.hosts.systemd(host)
+
+    def host_state(self, host: str) -> str:
+        entry = self.hosts.entries.get(host)
+        return entry.state if entry is not None else "unknown"
+
+    def host_address(self, host: str) -> str:
+        """The SSH target a host was added with (``user@address[:port]``)."""
+        return self.hosts.get(host).record.address
+
+    async def free_port_on(self, host: str) -> int:
+        return await self.hosts.free_port(host, set())
+
+    async def forward_port(self, host: str, remote_port: int) -> int:
+        return await self.hosts.forward_port(host, remote_port)
+
+    async def forward_socket(self, host: str, remote_path: str) -> str:
+        return await self.hosts.forward_socket(host, remote_path)
+
+    def has_forward(self, host: str, local: int | str | None) -> bool:
+        return self.hosts.has_forward(host, local)
+
+    async def cancel_forward(self, host: str, local: int | str) -> None:
+        await self.hosts.cancel_forward(host, local)
 
     def placement_error(self, actor: DeploymentActor) -> CapyError | None:
         """Why a request for ``actor`` cannot be served now because of its hosts, or None."""
@@ -411,7 +448,7 @@ class Controller:
                 after = actor.spec.idle_park_after
                 if after is None or actor.state != READY or actor.busy or actor.spec.park == "never":
                     continue
-                if now - (actor.last_used or now) >= after and actor._commands.empty():
+                if now - (actor.last_used or now) >= after and not actor.has_pending_commands:
                     actor.submit("park", evicting=True, reason=f"idle for {after:.0f}s")
 
     # -- Router (for the proxy) ---------------------------------------------------------------------
@@ -445,6 +482,19 @@ class Controller:
     def stats(self) -> dict[str, dict[str, float]]:
         return {a.name: {"queue_depth": a.waiting, "in_flight": a.in_flight, "wakes": a.wakes, "parks": a.parks,
                          "ready": 1.0 if a.state == READY else 0.0} for a in self.actors.values()}
+
+    @property
+    def queue_total(self) -> int:
+        return self.config.queue_total
+
+    def record_runtime(self, name: str, state: str, **fields: Any) -> None:
+        self.store.put_runtime(name, state, **fields)
+
+    def gpus_for(self, actor: DeploymentActor, rank: int | None = None) -> tuple[int, ...]:
+        return self.memory.gpus_for(actor, rank)
+
+    def launch_memory(self, actor: DeploymentActor, rank: int | None = None) -> tuple[float | None, int | None]:
+        return self.memory.launch_memory(actor, rank)
 
     def total_waiting(self) -> int:
         return sum(a.waiting for a in self.actors.values())

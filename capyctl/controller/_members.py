@@ -11,16 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from typing import TYPE_CHECKING
 
 from ..errors import CapyError
-from ._actor import new_engine_key
+from ._keys import new_engine_key
 from ._group import GroupMember, MemberLaunch
 from ._hosts import LOCAL, parse_target
 from ._memory import gpu_order_environment
 
-if TYPE_CHECKING:
-    from ._actor import DeploymentActor
+from ._services import GroupOwner
 
 
 def member_address(ctl, host: str) -> str:
@@ -32,18 +30,17 @@ def member_address(ctl, host: str) -> str:
             raise CapyError("a multi-node member on the local host needs CAPYCTL_ADVERTISE_ADDRESS, the address "
                             "the other hosts reach this one at", code="advertise_address_missing", status=400)
         return address
-    record = ctl.hosts.get(host).record
-    return parse_target(record.address)[1]
+    return parse_target(ctl.host_address(host))[1]
 
 
-def group_members(actor: "DeploymentActor") -> list[GroupMember]:
+def group_members(actor: GroupOwner) -> list[GroupMember]:
     return [GroupMember(h, member_address(actor.controller, h)) for h in actor.spec.hosts[:actor.spec.nodes]]
 
 
 class UnitMembers:
     """MemberDriver over systemd units; one per deployment, owned by its actor."""
 
-    def __init__(self, actor: "DeploymentActor") -> None:
+    def __init__(self, actor: GroupOwner) -> None:
         self.actor = actor
         self.ports: dict[int, int] = {}  # rank -> engine port on its host
         self.head_local_port: int | None = None
@@ -66,7 +63,7 @@ class UnitMembers:
         actor, ctl, host = self.actor, self.ctl, launch.member.host
         engine = ctl.engine_for(actor.spec)
         adapter = ctl.adapter(actor.spec)
-        systemd = ctl.hosts.systemd(host)
+        systemd = ctl.systemd_on(host)
         existing = await systemd.unit_state(actor.unit)
         if existing is not None and existing.is_running:
             await systemd.stop_unit(actor.unit, actor.spec.timeouts.stop)  # a member a dead daemon left behind
@@ -75,8 +72,8 @@ class UnitMembers:
         resolved = await ctl.resolve_model(actor.spec, engine, lambda _m: None)
         # The cards the plan gave this member on its host (tensor_parallel / nnodes of them), and
         # its share of each; the engine reads tensor_parallel as the total across the nodes.
-        gpu_indices = list(ctl.memory.gpus_for(actor, launch.rank))
-        gpu_fraction, gpu_budget = ctl.memory.launch_memory(actor, launch.rank)
+        gpu_indices = list(ctl.gpus_for(actor, launch.rank))
+        gpu_fraction, gpu_budget = ctl.launch_memory(actor, launch.rank)
         ctx = LaunchContext(deployment=actor.spec, engine=engine, model_path=resolved.path, port=port,
                             gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(actor.spec, host),
                             gpu_memory_fraction=gpu_fraction, gpu_memory_budget=gpu_budget,
@@ -110,13 +107,13 @@ class UnitMembers:
         host = launch.member.host
         if launch.is_head and self.head_local_port is not None and host != LOCAL:
             with contextlib.suppress(CapyError):
-                await self.ctl.hosts.cancel_forward(host, self.head_local_port)
+                await self.ctl.cancel_forward(host, self.head_local_port)
             self.head_local_port = None
         with contextlib.suppress(CapyError):
-            await self.ctl.hosts.systemd(host).stop_unit(self.actor.unit, self.actor.spec.timeouts.stop)
+            await self.ctl.systemd_on(host).stop_unit(self.actor.unit, self.actor.spec.timeouts.stop)
         self.ctl.release_port(self.unit_state_key(launch))
         with contextlib.suppress(CapyError):  # the member's key file goes with it
-            await self.ctl.hosts.run(host, ["rm", "-f", str(self.ctl._secret_path(self.secret_name(launch)))])
+            await self.ctl.remove_secret_env_on(host, self.secret_name(launch))
         await self.ctl.remove_secret_files_on(host, self.secret_files.pop(launch.rank, []))
 
     async def accepting(self, launch: MemberLaunch) -> bool:
@@ -132,7 +129,7 @@ class UnitMembers:
         if host == LOCAL:
             return f"http://127.0.0.1:{port}"
         if self.head_local_port is None:
-            self.head_local_port = await self.ctl.hosts.forward_port(host, port)
+            self.head_local_port = await self.ctl.forward_port(host, port)
         return f"http://127.0.0.1:{self.head_local_port}"
 
     async def healthy(self, launch: MemberLaunch) -> bool:
@@ -141,7 +138,7 @@ class UnitMembers:
 
     async def wait_exit(self, launch: MemberLaunch) -> str:
         from ..systemd import failure_message
-        systemd = self.ctl.hosts.systemd(launch.member.host)
+        systemd = self.ctl.systemd_on(launch.member.host)
         async for st in systemd.watch(self.actor.unit):
             if st.active_state in ("failed", "inactive"):
                 return failure_message(st)

@@ -33,8 +33,7 @@ from ..scheduler import (Candidate, Footprint, GpuCard, HostResources, Ledger, P
 from ..scheduler import plan as plan_placement
 from ..spec import parse_size
 
-if TYPE_CHECKING:
-    from ._actor import DeploymentActor
+from ._services import PlacedDeployment
 
 log = logging.getLogger("capyctl.controller")
 
@@ -64,11 +63,11 @@ def _ram_total() -> int:
     return 0
 
 
-def _model_path(actor: "DeploymentActor") -> str | None:
+def _model_path(actor: PlacedDeployment) -> str | None:
     return actor.model_path or getattr(actor.spec.model, "path", None)
 
 
-def _model_size(actor: "DeploymentActor") -> int:
+def _model_size(actor: PlacedDeployment) -> int:
     path = _model_path(actor)
     try:
         if path and os.path.isfile(path):
@@ -131,7 +130,7 @@ def _hf_context(model_dir: str, args: list[str]) -> int:
         return 4096
 
 
-def estimate_gpu_memory(actor: "DeploymentActor") -> int | None:
+def estimate_gpu_memory(actor: PlacedDeployment) -> int | None:
     """Bytes on each of the deployment's cards when its manifest gives no ``gpu_memory``: the
     weights and KV cache at its context split over its tensor-parallel ranks, plus the engine's
     buffers. None when the model is not on disk yet or the engine is unknown (a whole card)."""
@@ -161,7 +160,7 @@ def estimate_gpu_memory(actor: "DeploymentActor") -> int | None:
     return None
 
 
-def footprint(actor: "DeploymentActor", largest_card: int | None = None) -> Footprint:
+def footprint(actor: PlacedDeployment, largest_card: int | None = None) -> Footprint:
     """What the deployment needs on each host it runs on: its manifest's budgets, else estimates.
     A GPU estimate at least as large as ``largest_card`` asks for whole cards."""
     spec = actor.spec
@@ -210,7 +209,7 @@ def _local_gpus() -> tuple[GpuCard, ...]:
     return host_inventory().resources().gpus
 
 
-def _stopped(actor: "DeploymentActor") -> bool:
+def _stopped(actor: PlacedDeployment) -> bool:
     return actor.state in ("stopped", "failed") or (actor.state == "parked" and not actor.parked_in_place)
 
 
@@ -227,13 +226,13 @@ class MemoryPlanner:
         """Budget a (remote) host from its inventory; ``resources.name`` is ignored for ``name``."""
         self.ledger.add_host(HostResources(name, resources.ram_total, resources.ram_reserve, resources.gpus))
 
-    def footprint(self, actor: "DeploymentActor") -> Footprint:
+    def footprint(self, actor: PlacedDeployment) -> Footprint:
         cards = [d.capacity for d in self.ledger.domains.values() if d.kind == "gpu"]
         return footprint(actor, max(cards) if cards else None)
 
     # -- placement ------------------------------------------------------------------------------
 
-    def plan(self, actor: "DeploymentActor", actors: list["DeploymentActor"], now: float,
+    def plan(self, actor: PlacedDeployment, actors: list[PlacedDeployment], now: float,
              hosts: tuple[str, ...] = (LOCAL,)):
         """Victims to evict before ``actor`` can start on one of ``hosts``: [(actor, "park" | "stop")].
         A multi-node group places one member on each of its manifest's first ``nodes`` hosts.
@@ -241,7 +240,7 @@ class MemoryPlanner:
         for other in actors:
             self.observe(other)
         fp = self.footprint(actor)
-        candidates = [Candidate(a.name, a.state, a.last_used, busy=a.busy or not a._commands.empty(),
+        candidates = [Candidate(a.name, a.state, a.last_used, busy=a.busy or a.has_pending_commands,
                                 never_evict=a.spec.park == "never", idle_park_after=a.spec.idle_park_after)
                       for a in actors if a is not actor and self.ledger.get(a.name) is not None]
         if actor.spec.nodes > 1:
@@ -266,17 +265,17 @@ class MemoryPlanner:
         by_name = {a.name: a for a in actors}
         return [(by_name[name], action) for name, action in victims.items()]
 
-    def planned_host(self, actor: "DeploymentActor") -> str | None:
+    def planned_host(self, actor: PlacedDeployment) -> str | None:
         if self._last_plan and self._last_plan[0] == actor.name:
             return self._last_plan[1][0][0].host
         return None
 
-    def gpus_for(self, actor: "DeploymentActor", rank: int | None = None) -> tuple[int, ...]:
+    def gpus_for(self, actor: PlacedDeployment, rank: int | None = None) -> tuple[int, ...]:
         """The card indices the ledger placed ``actor`` (or its member ``rank``) on; empty for a CPU one."""
         placed = self.ledger.get(actor.name if rank is None else member_name(actor.name, rank))
         return placed.gpus if placed is not None else ()
 
-    def launch_memory(self, actor: "DeploymentActor", rank: int | None = None) -> tuple[float | None, int | None]:
+    def launch_memory(self, actor: PlacedDeployment, rank: int | None = None) -> tuple[float | None, int | None]:
         """(share of each planned card's total memory, bytes on each) to launch with, from the plan.
         A deployment planned on whole cards gets (None: the engine's default, the card's size)."""
         placed = self.ledger.get(actor.name if rank is None else member_name(actor.name, rank))
@@ -288,7 +287,7 @@ class MemoryPlanner:
         budget = min(placed.footprint.gpu_memory, capacity)
         return gpu_memory_fraction(budget, capacity), budget
 
-    def charge(self, actor: "DeploymentActor") -> None:
+    def charge(self, actor: PlacedDeployment) -> None:
         if self._last_plan and self._last_plan[0] == actor.name:
             for plan, request in self._last_plan[1]:
                 self.ledger.apply(plan, request)
@@ -296,14 +295,14 @@ class MemoryPlanner:
 
     # -- keeping the ledger in step ---------------------------------------------------------------
 
-    def observe(self, actor: "DeploymentActor") -> None:
+    def observe(self, actor: PlacedDeployment) -> None:
         """Keep the ledger's state of ``actor`` (of each of its members) equal to the actor's."""
         names = ([member_name(actor.name, r) for r in range(actor.spec.nodes)] if actor.spec.nodes > 1
                  else [actor.name])
         for name in names:
             self._observe_one(actor, name, actor.host if actor.spec.nodes == 1 else None)
 
-    def _observe_one(self, actor: "DeploymentActor", name: str, host: str | None) -> None:
+    def _observe_one(self, actor: PlacedDeployment, name: str, host: str | None) -> None:
         placed = self.ledger.get(name)
         state = actor.state
         in_place = actor.parked_in_place if state == "parked" else None
@@ -354,7 +353,7 @@ class MemoryPlanner:
                     used_by[placed.deployment] = used_by[base]
             self.ledger.observe_card(dom, int(gpu["memory_free"]), used_by)
 
-    def correct(self, actor: "DeploymentActor", gpus: list[dict[str, Any]] | None, ram: int | None) -> dict:
+    def correct(self, actor: PlacedDeployment, gpus: list[dict[str, Any]] | None, ram: int | None) -> dict:
         """Replace ``actor``'s estimated charges by what was measured once it was ready: its
         processes' memory on each of its cards (NVML), its unit's cgroup memory (RAM). A budget the
         manifest gives is kept (the engine was told to stay within it). Returns what changed."""
@@ -417,7 +416,7 @@ async def refresh_gpus(ctl: Any, hosts: Iterable[str]) -> None:
             ctl.memory.observe_gpus(host, gpus)
 
 
-async def measure(ctl: Any, actor: "DeploymentActor") -> dict:
+async def measure(ctl: Any, actor: PlacedDeployment) -> dict:
     """Once ``actor`` is ready: measure what it really uses and correct its estimated charges."""
     spec = actor.spec
     placed = ctl.memory.ledger.get(actor.name)

@@ -86,6 +86,10 @@ class _Actor:
     _commands: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     @property
+    def has_pending_commands(self) -> bool:
+        return not self._commands.empty()
+
+    @property
     def name(self) -> str:
         return self.spec.name
 

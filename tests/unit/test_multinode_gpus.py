@@ -83,6 +83,10 @@ class _Actor:
     _commands: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     @property
+    def has_pending_commands(self) -> bool:
+        return not self._commands.empty()
+
+    @property
     def name(self) -> str:
         return self.spec.name
 
@@ -168,6 +172,15 @@ class _Ctl:
 
     def adapter(self, spec):
         return adapter_for("vllm")
+
+    def systemd_on(self, host):
+        return self.hosts.systemd(host)
+
+    def gpus_for(self, actor, rank=None):
+        return self.memory.gpus_for(actor, rank)
+
+    def launch_memory(self, actor, rank=None):
+        return self.memory.launch_memory(actor, rank)
 
     async def lease_port(self, name, host):
         return 31000

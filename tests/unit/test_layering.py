@@ -1,0 +1,52 @@
+"""The controller package imports in one direction, and its actor uses only the narrow
+DeploymentServices interface of the controller (capyctl/controller/_services.py)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from capyctl.controller._services import DeploymentServices
+
+PACKAGE = Path(__file__).resolve().parents[2] / "capyctl" / "controller"
+
+
+def _imports(path: Path) -> set[str]:
+    """Sibling modules a module imports, anywhere in it (TYPE_CHECKING blocks and functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_the_controller_package_has_no_import_cycle():
+    graph = {p.stem: _imports(p) & {q.stem for q in PACKAGE.glob("*.py")} for p in PACKAGE.glob("*.py")}
+    visiting, done = set(), set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in done:
+            return
+        assert module not in visiting, f"import cycle: {' -> '.join([*path, module])}"
+        visiting.add(module)
+        for target in sorted(graph[module]):
+            visit(target, [*path, module])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert "_controller" not in graph["_actor"] and "_actor" not in graph["_members"]
+
+
+def test_the_actor_uses_only_what_deployment_services_declares():
+    declared = {name for name in dir(DeploymentServices) if not name.startswith("__")}
+    declared |= set(DeploymentServices.__annotations__)
+    for module in ("_actor.py", "_members.py", "_liveness.py"):
+        text = (PACKAGE / module).read_text()
+        used = set(re.findall(r"\b(?:self\.controller|controller|self\.ctl|ctl)\.([A-Za-z_]+)", text))
+        assert used <= declared, f"{module} reaches into the controller beyond its interface: {used - declared}"
