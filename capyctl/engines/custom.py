@@ -9,13 +9,14 @@ from ..spec import DeploymentSpec, EngineSpec
 from ..spec.models import HttpCall
 from ._base import EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call, cuda_environment, user_environment
 
-PLACEHOLDERS = ("port", "host", "model", "key", "name")
+# No {key}: a key on the command line shows in /proc/PID/cmdline (EngineSpec refuses it); the
+# server reads CAPYCTL_ENGINE_KEY, or its own variable named by key_env, from the environment.
+PLACEHOLDERS = ("port", "host", "model", "name")
 
 
 def render_cmd(template: list[str], ctx: LaunchContext) -> list[str]:
-    """Fill {port} {host} {model} {key} {name}; other braces (JSON arguments) stay as written."""
-    values = {"port": str(ctx.port), "host": ctx.host, "model": ctx.model_path, "key": ctx.key_ref,
-              "name": ctx.deployment.name}
+    """Fill {port} {host} {model} {name}; other braces (JSON arguments) stay as written."""
+    values = {"port": str(ctx.port), "host": ctx.host, "model": ctx.model_path, "name": ctx.deployment.name}
     out = []
     for part in template:
         for name in PLACEHOLDERS:
@@ -52,7 +53,8 @@ class CustomAdapter(EngineAdapter):
             raise EngineError(f"custom engine {ctx.engine.name!r} has no cmd", code="engine_cmd_missing", status=400)
         argv = render_cmd(ctx.engine.cmd, ctx) + list(ctx.deployment.engine_args)
         return LaunchPlan(argv=argv, environment={**user_environment(ctx), **cuda_environment(ctx)},
-                          secret_environment={}, health_path=ctx.engine.health, served_model=None,
+                          secret_environment={ctx.engine.key_env: ctx.key_env} if ctx.engine.key_env else {},
+                          health_path=ctx.engine.health, served_model=None,
                           key_env=ctx.key_env)
 
     def _bound_call(self, which: str) -> HttpCall:

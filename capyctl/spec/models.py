@@ -179,7 +179,8 @@ class EngineSpec(_Strict):
     type: EngineKind = Field(description="llama.cpp, vllm, sglang, tensorfold or custom.")
     path: str | None = Field(default=None, description="llama-server binary, or the virtual environment holding vllm/sglang/tensorfold.")
     version: str | None = None
-    cmd: list[str] | None = Field(default=None, description="custom: command template with {port} {host} {model} {key} {name}.")
+    cmd: list[str] | None = Field(default=None, description="custom: command template with {port} {host} {model} {name}.")
+    key_env: str | None = Field(default=None, description="custom: the environment variable the server reads its per-launch API key from (CAPYCTL_ENGINE_KEY is always set as well).")
     health: str = Field(default="/health", pattern=r"^/", description="custom: path answering 200 when ready.")
     park: HttpCall | None = Field(default=None, description="custom: HTTP call that releases GPU memory in place.")
     wake: HttpCall | None = Field(default=None, description="custom: HTTP call that restores it.")
@@ -200,8 +201,16 @@ class EngineSpec(_Strict):
                 raise ValueError("a custom engine needs `cmd`, a command template with {port}")
             if not any("{port}" in part for part in self.cmd):
                 raise ValueError("`cmd` must contain {port}: CapyCTL leases the port the engine listens on")
+            if any("{key}" in part for part in self.cmd):
+                raise ValueError("`cmd` must not contain {key}: the key would be on the command line, where every "
+                                 "local user reads it (/proc/PID/cmdline); the server finds it in the environment "
+                                 "variable CAPYCTL_ENGINE_KEY, or in the variable `key_env` names")
+            if self.key_env is not None and not _ENV_NAME.match(self.key_env):
+                raise ValueError(f"`key_env` {self.key_env!r} is not an environment variable name")
             if (self.park is None) != (self.wake is None):
                 raise ValueError("`park` and `wake` go together: give both or neither")
+        elif self.key_env is not None:
+            raise ValueError(f"`key_env` is only for custom engines; a {self.type} engine's key variable is built in")
         elif self.cmd is not None:
             raise ValueError(f"`cmd` is only for custom engines; a {self.type} engine's command is built in")
         return self

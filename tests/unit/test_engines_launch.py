@@ -131,14 +131,15 @@ def test_sglang_argv():
 
 def test_custom_cmd_template():
     eng = engine("custom", path=None, cmd=["/srv/bin/server", "--listen={host}:{port}", "--model", "{model}",
-                                           "--token", "{key}", "--id", "{name}", '{"literal": 1}'],
+                                           "--id", "{name}", '{"literal": 1}'], key_env="SERVER_TOKEN",
                  health="/ready", park={"path": "/pause"}, wake={"path": "/resume"}, env={"MODE": "x"},
                  capabilities=["chat", "embeddings"])
     c = ctx("custom", eng=eng)
     adapter = adapter_for("custom", eng)
     plan = adapter.build_launch(c)
-    assert plan.argv == ["/srv/bin/server", "--listen=127.0.0.1:41234", "--model", "/models/m", "--token", KEY_REF,
+    assert plan.argv == ["/srv/bin/server", "--listen=127.0.0.1:41234", "--model", "/models/m",
                          "--id", "chat-small", '{"literal": 1}']
+    assert plan.secret_file_environment("k1") == {"CAPYCTL_ENGINE_KEY": "k1", "SERVER_TOKEN": "k1"}
     assert plan.health_path == "/ready" and plan.environment["MODE"] == "x"
     assert adapter.capabilities(eng) == {"chat", "embeddings"}
     assert adapter.park_method(c) == "in_place"
@@ -167,3 +168,11 @@ def test_what_an_in_place_park_keeps_in_host_ram():
     assert adapter_for("vllm").parked_host_bytes(deployment(park_level=2), size) == 0
     assert adapter_for("sglang").parked_host_bytes(deployment(), size) == size
     assert adapter_for("tensorfold").parked_host_bytes(deployment(park_level=1), size) == 0
+
+
+def test_a_custom_cmd_with_the_key_in_it_is_refused():
+    # {key} used to expand into argv, where every local user reads it in /proc/PID/cmdline.
+    with pytest.raises(ValueError, match="must not contain {key}"):
+        engine("custom", path=None, cmd=["/srv/x", "--port", "{port}", "--api-key", "{key}"])
+    with pytest.raises(ValueError, match="key_env"):
+        engine("custom", path=None, cmd=["/srv/x", "{port}"], key_env="NOT A NAME")

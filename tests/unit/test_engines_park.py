@@ -170,14 +170,15 @@ async def test_custom_engine_park_and_wake_through_its_registration(tmp_path, se
     engine = EngineSpec.model_validate({
         "kind": "engine", "name": "my-server", "type": "custom",
         "cmd": [sys.executable, str(FAKE_VLLM), "--host", "{host}", "--port", "{port}", "--model", "{name}",
-                "--api-key", "{key}", "--enable-sleep-mode"],
+                "--enable-sleep-mode"], "key_env": "VLLM_API_KEY",
         "health": "/health", "park": {"path": "/sleep?level=1"}, "wake": {"path": "/wake_up"},
         "env": {"VLLM_SERVER_DEV_MODE": "1"}})
     # vLLM's sleep mode needs a GPU platform: the registration runs it on GPU 0 (the fake's rule).
     adapter, plan, server = launch(tmp_path, "custom", engine=engine, gpus=[0])
     try:
         await wait_health(adapter, session, server)
-        assert (await chat(session, server.base_url))[0] == 200  # the key reached it through ${...} in argv
+        assert (await chat(session, server.base_url))[0] == 200  # the key reached it through key_env
+        assert KEY not in " ".join(server.proc.args)
         await adapter.park(session, server.base_url, KEY, 1)
         assert (await stats(session, server.base_url))["sleeping"]
         await adapter.wake(session, server.base_url, KEY, 1)
