@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import Conflict, NotFound
+from pydantic import ValidationError
+
+from ..errors import CapyError, Conflict, NotFound
 from ..spec import DeploymentSpec, EngineSpec
 from ._schema import MIGRATIONS
 
@@ -168,12 +170,11 @@ class Store:
                        (spec.name, spec.type, spec.model_dump_json(), time.time()))
 
     def get_engine(self, name: str) -> EngineSpec | None:
-        rows = self._rows("SELECT spec_json FROM engines WHERE name=?", name)
-        return EngineSpec.model_validate_json(rows[0]["spec_json"]) if rows else None
+        rows = self._rows("SELECT name, spec_json FROM engines WHERE name=?", name)
+        return _engine_from_row(rows[0]) if rows else None
 
     def list_engines(self) -> list[EngineSpec]:
-        return [EngineSpec.model_validate_json(r["spec_json"])
-                for r in self._rows("SELECT spec_json FROM engines ORDER BY name")]
+        return [_engine_from_row(r) for r in self._rows("SELECT name, spec_json FROM engines ORDER BY name")]
 
     def remove_engine(self, name: str) -> None:
         with self._tx() as db:
@@ -344,3 +345,15 @@ class Store:
                        (key, json.dumps(response), time.time()))
             # A day is plenty for a client to retry; keep the table small.
             db.execute("DELETE FROM idempotency WHERE created_at < ?", (time.time() - 86400,))
+
+
+def _engine_from_row(row) -> EngineSpec:
+    """A stored registration; one that an older CapyCTL accepted and this one refuses (a custom
+    cmd with {key}) is a clear error naming it, not a crash."""
+    try:
+        return EngineSpec.model_validate_json(row["spec_json"])
+    except ValidationError as exc:
+        reason = exc.errors()[0].get("msg", str(exc)) if exc.errors() else str(exc)
+        raise CapyError(f"the registration of engine {row['name']!r} is no longer valid ({reason}); "
+                        f"remove it with 'capyctl engine remove' and register it again",
+                        code="engine_registration_invalid", status=409) from None

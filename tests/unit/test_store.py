@@ -111,3 +111,20 @@ def test_sigkill_mid_write_loses_nothing_acknowledged(tmp_path):
     names = {d.name for d in store.list_deployments()}
     assert {f"d{i}" for i in range(acknowledged + 1)} <= names
     assert store.current_revision(f"d{acknowledged}").revision == 1
+
+
+def test_a_stored_registration_this_version_refuses_is_a_clear_error(tmp_path):
+    # A custom engine whose cmd had {key} was accepted before keys left the command line.
+    import json as _json
+
+    from capyctl.errors import CapyError
+    store = Store(tmp_path / "state.db")
+    from capyctl.spec import EngineSpec
+    good = EngineSpec.model_validate({"kind": "engine", "name": "mine", "type": "custom", "cmd": ["/srv/x", "{port}"]})
+    store.put_engine(good)
+    old = {**_json.loads(good.model_dump_json()), "cmd": ["/srv/x", "{port}", "--api-key", "{key}"]}
+    with store._tx() as db:
+        db.execute("UPDATE engines SET spec_json=? WHERE name='mine'", (_json.dumps(old),))
+    with pytest.raises(CapyError) as err:
+        store.get_engine("mine")
+    assert err.value.code == "engine_registration_invalid" and "'mine'" in err.value.message
