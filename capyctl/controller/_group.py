@@ -137,6 +137,8 @@ class ModelGroup:
     failure: GroupFailed | None = field(default=None, init=False)
     _watchers: list[asyncio.Task] = field(default_factory=list, init=False, repr=False)
     _failed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
+    # Set once the members of a failed group are stopped: "failed" then means nothing runs.
+    _down: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
     _expect_exit: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +169,7 @@ class ModelGroup:
         self.state = STARTING
         self.failure = None
         self._failed.clear()
+        self._down.clear()
         self._expect_exit = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.start_timeout
@@ -225,8 +228,10 @@ class ModelGroup:
         self.state = READY
 
     async def wait_failed(self) -> GroupFailed:
-        """Return the failure once the group has failed (for the actor's watch loop)."""
+        """Return the failure once the group has failed and its members are stopped (for the
+        actor's watch loop: a deployment reported failed holds no member any more)."""
         await self._failed.wait()
+        await self._down.wait()
         assert self.failure is not None
         return self.failure
 
@@ -254,6 +259,7 @@ class ModelGroup:
         if self.state not in (STARTING, WAKING):  # start()/wake() clean up themselves
             await self._stop_all(keep_state=True)
             self.state = FAILED
+            self._down.set()
 
     def _record(self, launch: MemberLaunch, reason: str) -> None:
         if self.failure is not None:
@@ -292,6 +298,7 @@ class ModelGroup:
             self._failed.set()
         await self._stop_all(keep_state=True)
         self.state = FAILED
+        self._down.set()
 
     async def _stop_all(self, keep_state: bool = False) -> None:
         self._expect_exit = True

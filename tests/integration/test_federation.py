@@ -266,7 +266,9 @@ def _run_group_scenario(rig: TwoHostRig, daemon: FederatedDaemon, unit: str) -> 
     assert units() == ("active", "active")
 
     secrets = daemon.root / "state" / "secrets"
-    assert sorted(p.name for p in secrets.glob("grp*")) == ["grp.rank0.env", "grp.rank1.env"]
+    # Each member's environment file, and SGLang's --config holding the key (never on argv).
+    assert sorted(p.name for p in secrets.glob("grp*")) == ["grp.rank0.env", "grp.rank1.env", "grp.sglang.yaml"]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in secrets.glob("grp*"))
     daemon.cli("delete", "deployment", "grp")
     assert all(state in ("inactive", "failed", "") for state in units())
     assert list(secrets.glob("grp*")) == []
