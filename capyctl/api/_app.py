@@ -17,7 +17,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
 from ..controller import Controller
-from ..errors import CapyError, InvalidRequest, NotFound
+from ..errors import CapyError, InvalidRequest
 from ..spec import DeploymentSpec, EngineSpec, ManifestError
 from ..store import Store
 

@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..config import engine_socket_path, engine_socket_runtime_directory, unit_name
 from ..errors import CapyError, QueueFull, Unavailable
 from ..proxy.connector import socket_base_url
 from ..proxy.router import Upstream
-from ..spec import DeploymentSpec, EngineSpec
+from ..spec import DeploymentSpec
 from ..store import Revision
 from ._group import FAILED as GROUP_FAILED
 from ._group import PARKED as GROUP_PARKED

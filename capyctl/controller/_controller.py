@@ -15,14 +15,14 @@ from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
-from ..config import DaemonConfig, deployment_from_unit, unit_name
+from ..config import DaemonConfig, deployment_from_unit
 from ..errors import CapyError, Conflict, NotFound, Unavailable
 from ..proxy.connector import EngineConnector
 from ..proxy.router import ModelEntry, Upstream
 from ..scheduler import NoRoom
 from ..spec import DeploymentSpec, EngineSpec
-from ..store import Revision, Store
-from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, STOPPED, Busy, DeploymentActor, Progress,
+from ..store import Store
+from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, Busy, DeploymentActor, Progress,
                      _no_progress)
 from ._hosts import LOCAL, HostRegistry
 from ._memory import MemoryPlanner, refresh_gpus, wait_released

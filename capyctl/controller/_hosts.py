@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from ..errors import CapyError, Conflict, NotFound, Unavailable
-from ..hosts.ssh import SshError, SshHost
+from ..hosts.ssh import SshHost
 from ..scheduler import GpuCard, HostResources
 from ..store import Host, Store
 

@@ -24,7 +24,7 @@ import math
 import os
 import re
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
 from ..config import DaemonConfig
 from ..errors import CapyError

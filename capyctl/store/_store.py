@@ -19,7 +19,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from pydantic import ValidationError
 

@@ -134,5 +134,13 @@ class CapyHost:
         path.write_text(text)
         return path
 
+    def engine_key(self, deployment: str) -> str:
+        """The per-launch key of a deployment's running engine, from its 0600 environment file."""
+        for line in (self.state_dir / "secrets" / f"{deployment}.env").read_text().splitlines():
+            key, _, value = line.partition("=")
+            if key == "CAPYCTL_ENGINE_KEY":
+                return value
+        raise AssertionError(f"no engine key is recorded for {deployment}")
+
     def create_key(self, *extra: str) -> str:
         return self.cli("key", "create", *extra).stdout.strip()

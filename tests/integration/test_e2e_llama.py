@@ -3,7 +3,6 @@ transient unit, the SmolLM2 model, and the official openai client."""
 
 from __future__ import annotations
 
-import time
 
 import openai
 import pytest

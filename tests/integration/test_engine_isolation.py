@@ -21,14 +21,6 @@ def _curl(host: CapyHost, *args: str, as_nobody: bool = False):
     return host.sh(*argv, check=False)
 
 
-def _engine_key(host: CapyHost, name: str) -> str:
-    for line in (host.state_dir / "secrets" / f"{name}.env").read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key == "CAPYCTL_ENGINE_KEY":
-            return value
-    raise AssertionError("no engine key recorded")
-
-
 def test_only_capyctl_reaches_the_engine_and_no_key_is_in_argv(capyhost, smollm2):
     manifest = capyhost.write_manifest("smol", f"name: smol\nengine: llama\nmodel: {{path: {smollm2}}}\n")
     capyhost.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
@@ -60,7 +52,7 @@ def test_only_capyctl_reaches_the_engine_and_no_key_is_in_argv(capyhost, smollm2
     assert capyhost.unit_property("capyctl-smol.service", "PrivateNetwork") == "yes"
 
     # The per-launch key is in no process's command line (ps shows argv to every user).
-    key = _engine_key(capyhost, "smol")
+    key = capyhost.engine_key("smol")
     ps = capyhost.sh("ps", "-eo", "args", "--no-headers").stdout
     assert "llama-server" in ps and key not in ps
 

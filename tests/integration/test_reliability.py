@@ -17,7 +17,6 @@ import http.client
 import json
 import os
 import socket
-import subprocess
 import threading
 import time
 import urllib.error

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest

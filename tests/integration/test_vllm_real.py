@@ -92,14 +92,6 @@ def host():
         h.teardown()
 
 
-def _engine_key(host: CapyHost, name: str) -> str:
-    for line in (host.state_dir / "secrets" / f"{name}.env").read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key == "CAPYCTL_ENGINE_KEY":
-            return value
-    raise AssertionError("no engine key recorded")
-
-
 def _curl_socket(host: CapyHost, path: str, *args: str) -> str:
     """The HTTP status of a request to the engine's socket from inside the sandbox (as root: CapyCTL)."""
     return host.sh("curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10",
@@ -164,7 +156,7 @@ def test_real_vllm_through_capyctl(host, vllm_venv, vllm_model):
     exec_start = host.unit_property(UNIT, "ExecStart")
     assert f"{vllm_venv}/bin/python" in exec_start and "-m vllm.entrypoints.openai.api_server" in exec_start
     assert f"--uds {SOCKET}" in exec_start and "--enable-sleep-mode" not in exec_start
-    key = _engine_key(host, "tiny")
+    key = host.engine_key("tiny")
     ps = host.sh("ps", "-eww", "-o", "args", "--no-headers").stdout  # -ww: whole lines
     assert "vllm.entrypoints.openai.api_server" in ps and key not in ps
     main_pid = host.unit_property(UNIT, "MainPID")

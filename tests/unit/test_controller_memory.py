@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -14,6 +13,7 @@ from capyctl.controller._memory import MemoryPlanner
 from capyctl.engines import adapter_for
 from capyctl.scheduler import GpuCard, NoRoom
 from capyctl.spec import parse_manifest
+from tests.fakes.deployments import PlacedDeploymentFake
 
 
 class _Controller:
@@ -21,31 +21,7 @@ class _Controller:
         return adapter_for(spec.engine)
 
 
-@dataclass
-class _Actor:
-    """The fields of DeploymentActor the planner reads."""
-
-    spec: object
-    state: str = "stopped"
-    last_used: float = 0.0
-    busy: bool = False
-    parked_in_place: bool = False
-    host: str = "local"
-    model_path: str | None = None
-    controller: _Controller = field(default_factory=_Controller)
-    _commands: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    @property
-    def has_pending_commands(self) -> bool:
-        return not self._commands.empty()
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def unit(self) -> str:
-        return f"capyctl-{self.spec.name}.service"
+_Actor = PlacedDeploymentFake
 
 
 def vllm(name: str, gpus: int, memory: str = "60GiB") -> _Actor:

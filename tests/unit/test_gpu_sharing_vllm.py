@@ -5,14 +5,11 @@ vLLM checks its memory at start."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +18,7 @@ from capyctl.controller._memory import MemoryPlanner
 from capyctl.engines import LaunchContext, adapter_for
 from capyctl.hosts import host_inventory
 from capyctl.spec import EngineSpec, parse_manifest
+from tests.fakes.deployments import PlacedDeploymentFake
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml, start_like_vllm
 
 GiB = 1 << 30
@@ -73,25 +71,7 @@ def parse_with_vllm(venv: Path, argvs: list[list[str]]) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@dataclass
-class _Actor:
-    spec: object
-    state: str = "stopped"
-    last_used: float = 0.0
-    busy: bool = False
-    parked_in_place: bool = False
-    host: str = "local"
-    model_path: str | None = None
-    controller: object = field(default_factory=lambda: SimpleNamespace(adapter=lambda s: adapter_for(s.engine)))
-    _commands: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    @property
-    def has_pending_commands(self) -> bool:
-        return not self._commands.empty()
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
+_Actor = PlacedDeploymentFake
 
 
 def test_two_deployments_on_one_card_parse_to_shares_that_fit(monkeypatch, tmp_path) -> None:

@@ -4,8 +4,6 @@ it so), each member is budgeted on its host and given exactly its tensor_paralle
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +19,7 @@ from capyctl.engines._base import require_gpus_for_tp
 from capyctl.errors import CapyError
 from capyctl.scheduler import GpuCard, HostResources
 from capyctl.spec import EngineSpec, ManifestError, parse_manifest
+from tests.fakes.deployments import PlacedDeploymentFake
 
 GiB = 1 << 30
 H100 = "NVIDIA H100 80GB HBM3"
@@ -70,25 +69,7 @@ def test_each_node_needs_only_its_share_of_the_ranks(kind: str) -> None:
 
 # -- planning the members ------------------------------------------------------------------------
 
-@dataclass
-class _Actor:
-    spec: object
-    state: str = "stopped"
-    last_used: float = 0.0
-    busy: bool = False
-    parked_in_place: bool = False
-    host: str = "local"
-    model_path: str | None = None
-    controller: object = field(default_factory=lambda: SimpleNamespace(adapter=lambda s: adapter_for(s.engine)))
-    _commands: asyncio.Queue = field(default_factory=asyncio.Queue)
-
-    @property
-    def has_pending_commands(self) -> bool:
-        return not self._commands.empty()
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
+_Actor = PlacedDeploymentFake
 
 
 def _planner() -> MemoryPlanner:
