@@ -237,7 +237,9 @@ def cmd_status(args) -> int:
     print(f"   State: {d['state']}" + (f" ({d['reason']})" if d.get("reason") else ""))
     print(f"    Unit: {d['unit']}")
     print(f"   Model: {d.get('model')}")
-    if d.get("port"):
+    if d.get("socket"):
+        print(f"Endpoint: {d['socket']} (unix socket only root can open, per-launch key)")
+    elif d.get("port"):
         print(f"Endpoint: 127.0.0.1:{d['port']} (loopback, per-launch key)")
     print(f"  Memory: {human_bytes(d.get('memory_current'))}")
     print(f"Requests: {d.get('in_flight', 0)} in flight, {d.get('waiting', 0)} waiting")

@@ -27,6 +27,7 @@ def test_only_capyctl_reaches_the_engine_and_no_key_is_in_argv(capyhost, smollm2
     status = capyhost.cli_json("status", "deployment", "smol")
     socket = status["socket"]
     assert socket == "/run/capyctl-engine/smol/engine.sock"
+    assert f"Endpoint: {socket} (unix socket" in capyhost.cli("status", "deployment", "smol").stdout
 
     # Through the proxy it serves as ever.
     client = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key=capyhost.create_key(), max_retries=0,
