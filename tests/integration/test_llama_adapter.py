@@ -14,6 +14,7 @@ import pytest
 
 from capyctl.engines import LaunchContext, adapter_for, detect_engine
 from capyctl.spec import DeploymentSpec
+from tests.components import missing
 from tests.fakes import free_port, start_plan
 
 pytestmark = pytest.mark.llama
@@ -31,7 +32,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture
 async def llama(tmp_path):
     if not LLAMA_SERVER.is_file():
-        pytest.skip("llama-server is not built; run scripts/build-llama-server")
+        missing("llama-server is not built; run scripts/build-llama-server")
     engine = await detect_engine(str(LLAMA_SERVER), "llama-local")
     dep = DeploymentSpec(name="smol", engine="llama-local", model={"path": str(smollm2_gguf())},
                          engine_args=["-c", "1024"])

