@@ -47,26 +47,8 @@ def is_gguf(path: str) -> bool:
 
 
 def read_string_metadata(path: str, wanted: set[str]) -> dict[str, str]:
-    """The string values of the ``wanted`` keys; stops reading once all are found (the tokenizer's
-    large arrays usually come after ``general.*``)."""
-    found: dict[str, str] = {}
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file")
-        version = _u32(f)
-        if version < 2:
-            raise ValueError(f"{path} is GGUF version {version}; only 2 and later are read")
-        _u64(f)  # tensor count
-        for _ in range(_u64(f)):
-            key = _string(f)
-            kind = _u32(f)
-            if key in wanted and kind == _STRING:
-                found[key] = _string(f)
-                if len(found) == len(wanted):
-                    break
-            else:
-                _skip(f, kind)
-    return found
+    """The string values of the ``wanted`` keys (see :func:`read_metadata`)."""
+    return {key: value for key, value in read_metadata(path, wanted).items() if isinstance(value, str)}
 
 
 # struct formats of the scalar value types (ggml/include/gguf.h: GGUF_TYPE_UINT8 = 0 ... FLOAT64 = 12).

@@ -387,20 +387,24 @@ async def _finish(request: web.Request, response: web.StreamResponse, last: byte
     return response
 
 
+async def _json_of(upstream: Upstream, upstream_response: aiohttp.ClientResponse) -> Any:
+    """The engine's answer as JSON (None when it is not JSON); the response is closed either way."""
+    try:
+        return await upstream_response.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise _unreachable(upstream, exc) from exc
+    except ValueError:
+        return None
+    finally:
+        upstream_response.close()
+
+
 async def _answer_from_decisions(request: web.Request, upstream: Upstream,
                                  parsed: _systemone.SystemOneRequest) -> dict[str, Any]:
     """One POST /v1/decisions for every question, its answer translated back (_systemone has the shapes)."""
     payload = _systemone.decisions_request(parsed, upstream.served_model or parsed.model)
     upstream_response = await _open_upstream(request, upstream, "/v1/decisions", json.dumps(payload).encode())
-    try:
-        try:
-            answer = await upstream_response.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _unreachable(upstream, exc) from exc
-        except ValueError:
-            answer = None
-    finally:
-        upstream_response.close()
+    answer = await _json_of(upstream, upstream_response)
     if upstream_response.status == 200:
         return _systemone.from_decisions_response(parsed, answer)
     error = answer.get("error") if isinstance(answer, dict) else None
@@ -430,15 +434,7 @@ async def _answer_from_logprobs(request: web.Request, upstream: Upstream,
         async with gate:
             upstream_response = await _open_upstream(request, upstream, "/v1/chat/completions",
                                                      json.dumps(payload).encode())
-            try:
-                try:
-                    completion = await upstream_response.json(content_type=None)
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    raise _unreachable(upstream, exc) from exc
-                except ValueError:
-                    completion = None
-            finally:
-                upstream_response.close()
+            completion = await _json_of(upstream, upstream_response)
         if upstream_response.status != 200 or not isinstance(completion, dict):
             detail = completion.get("error") if isinstance(completion, dict) else None
             raise CapyError(f"The engine of '{upstream.deployment}' answered {upstream_response.status} to a "
