@@ -467,7 +467,8 @@ class Controller:
         for actor in self.actors.values():
             for ident in [actor.name, *actor.spec.aliases]:
                 entries.append(ModelEntry(id=ident, deployment=actor.name, state=actor.state,
-                                          engine=actor.spec.engine, created=int(actor.revision.created_at)))
+                                          engine=actor.spec.engine, created=int(actor.revision.created_at),
+                                          capabilities=actor.capabilities))
         return entries
 
     @asynccontextmanager

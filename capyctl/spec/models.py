@@ -186,7 +186,8 @@ class EngineSpec(_Strict):
     wake: HttpCall | None = Field(default=None, description="custom: HTTP call that restores it.")
     env: dict[str, str] = Field(default_factory=dict)
     capabilities: list[Literal["chat", "completions", "embeddings", "systemone", "logprobs", "tools",
-                               "decisions"]] = Field(
+                               "decisions", "responses", "response_input_tokens", "responses_get",
+                               "responses_delete", "messages", "tokenize", "rerank"]] = Field(
         default_factory=lambda: ["chat", "completions"])
 
     @field_validator("type", mode="before")
