@@ -129,7 +129,7 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
     # limit=0: no pool limit, so 200 concurrent streams never queue inside aiohttp
     # (admission is the Router's job, not the connection pool's).
-    connector = EngineConnector(limit=0, keepalive_timeout=30)
+    connector = EngineConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         app[SESSION] = session

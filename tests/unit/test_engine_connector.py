@@ -72,3 +72,13 @@ def test_runtime_directory_must_stay_below_run():
         with pytest.raises(SystemdError):
             TransientUnit(name="capyctl-x.service", description="d", argv=["/bin/true"],
                           runtime_directory=bad).properties()
+
+
+async def test_idle_engine_connections_are_dropped_before_the_engine_drops_them():
+    # llama-server closes an idle keep-alive connection after 5 s; reusing one it just closed
+    # failed a request with ServerDisconnectedError (seen in CI with the anthropic client).
+    from capyctl.proxy.connector import ENGINE_KEEPALIVE_S
+    assert ENGINE_KEEPALIVE_S < 5
+    connector = EngineConnector()
+    assert connector._keepalive_timeout == ENGINE_KEEPALIVE_S
+    await connector.close()
