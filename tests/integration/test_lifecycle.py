@@ -5,13 +5,15 @@ reason, and adoption of running units by a restarted daemon."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
 import json
+import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
+
+from tests.components import missing
 
 from .capyhost import CapyHost, llama_server_path, smollm2_path
 
@@ -128,7 +130,7 @@ def test_sigkill_of_the_daemon_leaves_units_serving_and_they_are_adopted(capyhos
 
 def test_two_models_that_do_not_fit_together_alternate(smollm2):
     if llama_server_path() is None or smollm2_path() is None:
-        pytest.skip("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
+        missing("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
     # A host RAM budget that holds one of the two 300 MiB deployments, not both.
     host = CapyHost(env={"CAPYCTL_RAM_BUDGET": "500M"}).boot()
     try:

