@@ -38,3 +38,12 @@ def require_vllm_venv() -> Path:
         missing(f"the CPU vLLM venv is not at {venv}: run scripts/build-vllm-cpu (scripts/setup and "
                 "scripts/test do), or point CAPYCTL_TEST_VLLM_VENV at one")
     return venv
+
+
+def require_espeak_ng() -> str:
+    """Debian's espeak-ng (speaks the WAV a transcription test sends); else skip (fail under CI)."""
+    import shutil
+    path = shutil.which("espeak-ng")
+    if path is None:
+        missing("espeak-ng is not installed: apt-get install espeak-ng (scripts/setup does)")
+    return path

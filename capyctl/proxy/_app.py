@@ -9,13 +9,15 @@ client's path, and drops the query string.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import IO, Any, AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -31,7 +33,15 @@ from ._errors import (
 )
 from ._keys import KeyGrant, KeyVerifier
 from ._metrics import ProxyMetrics
-from ._routes import CAPABILITY_ROUTES, is_anthropic, routes_served
+from ._routes import (
+    FORM_ROUTES,
+    JSON_ROUTES,
+    STORED_RESPONSE_CAPABILITIES,
+    STORED_RESPONSE_ROUTE,
+    SYSTEMONE_ROUTE,
+    is_anthropic,
+    routes_served,
+)
 from .connector import EngineConnector
 from .router import ModelEntry, Router, Upstream
 
@@ -42,8 +52,12 @@ MiB = 1 << 20
 CONNECT_TIMEOUT = 10.0
 # Questions of one /v1/systemone request asked at the same time (engines have a few slots).
 SYSTEMONE_PARALLEL = 4
-# Routes forwarded as they are; the upstream path is the same path on the engine.
-PASS_THROUGH_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+# Default cap on a multipart upload (an audio file to transcribe): OpenAI's own limit for audio.
+DEFAULT_MAX_UPLOAD = 25 * MiB
+# A text field of a multipart form (model, language, prompt...) larger than this is refused.
+FORM_FIELD_MAX = 64 * 1024
+# An uploaded file is kept in memory up to this size while it is received, on disk beyond.
+UPLOAD_SPOOL_IN_MEMORY = 1 * MiB
 CLIENT_CLOSED = 499  # nginx's status for "client closed the request", used in metrics only
 # Response ids remembered for GET/DELETE /v1/responses/{id}: the oldest are forgotten past this.
 RESPONSE_OWNERS_MAX = 100_000
@@ -83,6 +97,7 @@ class ProxyState:
     keys: KeyVerifier | None
     max_body: int
     request_timeout: float | None
+    max_upload: int = DEFAULT_MAX_UPLOAD
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     responses: ResponseOwners = field(default_factory=ResponseOwners)
 
@@ -100,29 +115,33 @@ _RESPONSES_MODEL: Any = _RequestKey("capyctl_responses_model", str) if _RequestK
 
 
 def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * MiB,
-              request_timeout: float | None = None) -> web.Application:
+              request_timeout: float | None = None, max_upload: int = DEFAULT_MAX_UPLOAD) -> web.Application:
     """The proxy application.
 
     ``keys`` None turns authentication off (standalone development only: anyone who
-    reaches the port may use every model). ``request_timeout`` bounds one upstream
-    exchange, from connecting to the engine to the last byte of its answer, not the
-    wait for admission (the Router bounds that); None means no bound.
+    reaches the port may use every model). ``max_body`` caps a JSON request body and
+    ``max_upload`` a multipart one (an audio file), both answered 413 beyond.
+    ``request_timeout`` bounds one upstream exchange, from connecting to the engine to
+    the last byte of its answer, not the wait for admission (the Router bounds that);
+    None means no bound.
 
     Serve it with :func:`serve` so that a client that disconnects cancels its handler.
     """
     app = web.Application(client_max_size=max_body, middlewares=[_observe])
-    app[STATE] = ProxyState(router=router, keys=keys, max_body=max_body, request_timeout=request_timeout)
+    app[STATE] = ProxyState(router=router, keys=keys, max_body=max_body, request_timeout=request_timeout,
+                            max_upload=max_upload)
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)
-    for path in PASS_THROUGH_ROUTES:
-        app.router.add_post(path, _pass_through)
-    app.router.add_post("/v1/systemone", _systemone_route)
-    for path in CAPABILITY_ROUTES:  # forwarded only to engines whose adapter declares the capability
-        app.router.add_post(path, _capability_route)
-    app.router.add_get("/v1/responses/{response_id}", _stored_response_route)
-    app.router.add_delete("/v1/responses/{response_id}", _stored_response_route)
+    for path in JSON_ROUTES:  # forwarded only to engines whose adapter declares the route's capability
+        app.router.add_post(path, _json_route)
+    for path in FORM_ROUTES:
+        app.router.add_post(path, _form_route)
+    app.router.add_post(SYSTEMONE_ROUTE, _systemone_route)
+    stored = STORED_RESPONSE_ROUTE.replace("{id}", "{response_id}")
+    app.router.add_get(stored, _stored_response_route)
+    app.router.add_delete(stored, _stored_response_route)
     return app
 
 
@@ -240,6 +259,104 @@ async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any], str]:
     return raw, body, model
 
 
+@dataclass
+class _FormPart:
+    """One part of a received multipart form: a text field, or an uploaded file."""
+
+    name: str
+    text: str | None = None
+    filename: str | None = None
+    content_type: str | None = None
+    data: bytearray = field(default_factory=bytearray)  # a file's bytes while it is small
+    spool: IO[bytes] | None = None  # ... and on disk once it is not
+
+
+@dataclass
+class _ReceivedForm:
+    parts: list[_FormPart] = field(default_factory=list)
+    model: str = ""
+
+    def writer(self, served_model: str | None) -> aiohttp.MultipartWriter:
+        """The same form for the engine (the model renamed when it knows it by another name);
+        files are streamed from where they were spooled."""
+        form = aiohttp.MultipartWriter("form-data")
+        for part in self.parts:
+            if part.text is not None:
+                text = served_model if part.name == "model" and served_model else part.text
+                form.append(text).set_content_disposition("form-data", name=part.name)
+                continue
+            content: Any = bytes(part.data)
+            if part.spool is not None:
+                part.spool.seek(0)
+                content = part.spool
+            form.append(content, {"Content-Type": part.content_type or "application/octet-stream"}
+                        ).set_content_disposition("form-data", name=part.name, filename=part.filename or "file")
+        return form
+
+
+def _invalid_form(why: str) -> CapyError:
+    return CapyError(f"The request body is not a valid multipart form: {why}.", code="invalid_form", status=400)
+
+
+@contextlib.asynccontextmanager
+async def _received_form(request: web.Request) -> AsyncIterator[_ReceivedForm]:
+    """Read a multipart/form-data body part by part, never whole in memory: text fields up to
+    FORM_FIELD_MAX, files in memory up to UPLOAD_SPOOL_IN_MEMORY and in a temporary file beyond,
+    everything together up to the proxy's max_upload (413). Temporary files go on leaving."""
+    cap = request.app[STATE].max_upload
+    if request.content_length is not None and request.content_length > cap:
+        raise _too_large()
+    if request.content_type != "multipart/form-data":
+        raise CapyError("This route takes multipart/form-data (a file and form fields), as OpenAI's does.",
+                        code="invalid_form", status=400)
+    form = _ReceivedForm()
+    received = 0
+    try:
+        try:
+            reader = await request.multipart()
+            while (part := await reader.next()) is not None:
+                if not isinstance(part, aiohttp.BodyPartReader):
+                    raise _invalid_form("a part is itself multipart")
+                if not part.name:
+                    raise _invalid_form("a part has no name")
+                item = _FormPart(name=part.name, filename=part.filename,
+                                 content_type=part.headers.get(aiohttp.hdrs.CONTENT_TYPE))
+                form.parts.append(item)
+                while chunk := await part.read_chunk():
+                    received += len(chunk)
+                    if received > cap:
+                        raise _too_large()
+                    if item.spool is not None:
+                        item.spool.write(chunk)
+                        continue
+                    item.data += chunk
+                    if item.filename is None and len(item.data) > FORM_FIELD_MAX:
+                        raise CapyError(f"The form field '{item.name}' is larger than {FORM_FIELD_MAX} bytes.",
+                                        code="form_field_too_large", status=413)
+                    if len(item.data) > UPLOAD_SPOOL_IN_MEMORY:
+                        item.spool = tempfile.TemporaryFile(prefix="capyctl-upload-")
+                        item.spool.write(item.data)
+                        item.data = bytearray()
+                if item.filename is None:
+                    try:
+                        item.text = item.data.decode(part.get_charset("utf-8"))
+                    except (UnicodeDecodeError, LookupError):
+                        raise _invalid_form(f"the field '{item.name}' is not text") from None
+                    item.data = bytearray()
+        except (ValueError, AssertionError, RequestPayloadError) as exc:
+            # A missing boundary, a torn part, a broken transfer encoding: the client's doing.
+            raise _invalid_form(str(exc) or type(exc).__name__) from None
+        model = next((p.text for p in form.parts if p.name == "model" and p.text is not None), "")
+        if not model.strip():
+            raise CapyError("The form has no 'model' field.", code="missing_model", status=400)
+        form.model = model.strip()
+        yield form
+    finally:
+        for item in form.parts:
+            if item.spool is not None:
+                item.spool.close()
+
+
 def _admit_model(request: web.Request, grant: KeyGrant | None, model: str) -> ModelEntry | None:
     if grant is not None and not grant.allows(model):
         raise _model_not_found(model)
@@ -287,46 +404,56 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data})
 
 
-async def _pass_through(request: web.Request) -> web.StreamResponse:
-    grant = _authorize(request)
-    raw, body, model = await _read_body(request)
-    _admit_model(request, grant, model)
-    try:
-        async with request.app[STATE].router.acquire(model) as upstream:
-            request[_DEPLOYMENT] = upstream.deployment
-            return await _forward(request, upstream, request.path, _payload_for(upstream, raw, body, model))
-    except CapyError as err:
-        if err.code == "model_not_found":
-            raise _model_not_found(model) from None
-        raise
-
-
-def _route_not_served(target: Upstream | ModelEntry, model: str, path: str) -> CapyError:
+def _route_not_served(target: Upstream | ModelEntry, model: str, route: str) -> CapyError:
     served = routes_served(target.capabilities)
-    return CapyError(f"The engine of '{model}' ({target.engine}) does not serve {path}; it serves "
+    return CapyError(f"The engine of '{model}' ({target.engine}) does not serve {route}; it serves "
                      f"{', '.join(served) or 'no route CapyCTL forwards'}.", code="route_not_served", status=404,
                      detail={"routes": served})
 
 
-async def _capability_route(request: web.Request) -> web.StreamResponse:
-    grant = _authorize(request)
-    raw, body, model = await _read_body(request)
-    entry = _admit_model(request, grant, model)
-    needed = CAPABILITY_ROUTES[request.path]
+@contextlib.asynccontextmanager
+async def _admitted(request: web.Request, model: str, needed: str, route: str,
+                    entry: ModelEntry | None) -> AsyncIterator[Upstream]:
+    """Admission for one request to ``model`` on a route that needs capability ``needed``.
+
+    An engine known (from its adapter, before any launch) to lack the route is refused
+    without waking it; the capabilities of the launch that answers are checked again.
+    """
     if entry is not None and entry.capabilities and needed not in entry.capabilities:
-        raise _route_not_served(entry, model, request.path)  # known from its last launch: wake nothing
+        raise _route_not_served(entry, model, route)
     try:
         async with request.app[STATE].router.acquire(model) as upstream:
             request[_DEPLOYMENT] = upstream.deployment
             if needed not in upstream.capabilities:
-                raise _route_not_served(upstream, model, request.path)
-            if request.path == "/v1/responses":
-                request[_RESPONSES_MODEL] = model  # its id is remembered from the answer (_forward, _stream)
-            return await _forward(request, upstream, request.path, _payload_for(upstream, raw, body, model))
+                raise _route_not_served(upstream, model, route)
+            yield upstream
     except CapyError as err:
         if err.code == "model_not_found":
             raise _model_not_found(model) from None
         raise
+
+
+async def _json_route(request: web.Request) -> web.StreamResponse:
+    """A JSON POST route of the table: the body's ``model`` selects the deployment."""
+    grant = _authorize(request)
+    raw, body, model = await _read_body(request)
+    entry = _admit_model(request, grant, model)
+    async with _admitted(request, model, JSON_ROUTES[request.path], request.path, entry) as upstream:
+        if request.path == "/v1/responses":
+            request[_RESPONSES_MODEL] = model  # its id is remembered from the answer (_forward, _stream)
+        return await _forward(request, upstream, request.path, _payload_for(upstream, raw, body, model))
+
+
+async def _form_route(request: web.Request) -> web.StreamResponse:
+    """A multipart/form-data POST route (an audio file to transcribe): the ``model`` form field
+    selects the deployment. The upload is received whole before the engine is woken (a slow
+    client holds no engine slot), spooled to disk past UPLOAD_SPOOL_IN_MEMORY, capped at
+    ``max_upload`` (413), then sent on as a new form with the same fields."""
+    grant = _authorize(request)
+    async with _received_form(request) as form:
+        entry = _admit_model(request, grant, form.model)
+        async with _admitted(request, form.model, FORM_ROUTES[request.path], request.path, entry) as upstream:
+            return await _forward(request, upstream, request.path, form.writer(upstream.served_model))
 
 
 async def _stored_response_route(request: web.Request) -> web.StreamResponse:
@@ -339,21 +466,11 @@ async def _stored_response_route(request: web.Request) -> web.StreamResponse:
         # One answer for "unknown" and "not yours", as for models.
         raise CapyError(f"No response '{response_id[:200]}' was created through this proxy, or you may "
                         "not read it.", code="response_not_found", status=404)
-    needed = "responses_get" if request.method == "GET" else "responses_delete"
     path = f"/v1/responses/{response_id}"
     entry = _admit_model(request, grant, model)
-    if entry is not None and entry.capabilities and needed not in entry.capabilities:
-        raise _route_not_served(entry, model, f"{request.method} /v1/responses/{{id}}")
-    try:
-        async with request.app[STATE].router.acquire(model) as upstream:  # wakes a parked owner
-            request[_DEPLOYMENT] = upstream.deployment
-            if needed not in upstream.capabilities:
-                raise _route_not_served(upstream, model, f"{request.method} /v1/responses/{{id}}")
-            answer = await _forward(request, upstream, path, b"", method=request.method)
-    except CapyError as err:
-        if err.code == "model_not_found":
-            raise _model_not_found(model) from None
-        raise
+    async with _admitted(request, model, STORED_RESPONSE_CAPABILITIES[request.method],
+                         f"{request.method} {STORED_RESPONSE_ROUTE}", entry) as upstream:  # wakes a parked owner
+        answer = await _forward(request, upstream, path, b"", method=request.method)
     if request.method == "DELETE" and answer.status < 300:
         responses.forget(response_id)
     return answer
@@ -385,12 +502,17 @@ async def _systemone_route(request: web.Request) -> web.StreamResponse:
 
 # ---------------------------------------------------------------- upstream
 
-def _upstream_headers(upstream: Upstream) -> dict[str, str]:
+def _upstream_headers(upstream: Upstream, content_type: str = "application/json") -> dict[str, str]:
     # identity: the engine's bytes are passed on as they are, never re-encoded here.
-    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+    headers = {"Content-Type": content_type, "Accept-Encoding": "identity"}
     if upstream.api_key:
         headers["Authorization"] = f"Bearer {upstream.api_key}"
     return headers
+
+
+def _content_type_of(payload: bytes | aiohttp.MultipartWriter) -> str:
+    # A form's Content-Type carries its boundary.
+    return payload.content_type if isinstance(payload, aiohttp.MultipartWriter) else "application/json"
 
 
 def _verdict(upstream: Upstream) -> CapyError | None:
@@ -410,7 +532,7 @@ def _unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
 
 
 async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
-                         payload: bytes, *, method: str = "POST") -> aiohttp.ClientResponse:
+                         payload: bytes | aiohttp.MultipartWriter, *, method: str = "POST") -> aiohttp.ClientResponse:
     state = request.app[STATE]
     timeout = aiohttp.ClientTimeout(total=state.request_timeout, sock_connect=CONNECT_TIMEOUT)
     session = request.app[SESSION]
@@ -419,7 +541,8 @@ async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
     try:
         response = await session.request(method, upstream.base_url.rstrip("/") + path,
                                          data=payload if method == "POST" else None,
-                                         headers=_upstream_headers(upstream), timeout=timeout)
+                                         headers=_upstream_headers(upstream, _content_type_of(payload)),
+                                         timeout=timeout)
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise _unreachable(upstream, exc) from exc
     if response.status in (401, 403):
@@ -430,8 +553,8 @@ async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
     return response
 
 
-async def _forward(request: web.Request, upstream: Upstream, path: str, payload: bytes, *,
-                   method: str = "POST") -> web.StreamResponse:
+async def _forward(request: web.Request, upstream: Upstream, path: str,
+                   payload: bytes | aiohttp.MultipartWriter, *, method: str = "POST") -> web.StreamResponse:
     upstream_response = await _open_upstream(request, upstream, path, payload, method=method)
     try:
         if upstream_response.content_type == "text/event-stream":

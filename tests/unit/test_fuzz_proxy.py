@@ -23,11 +23,15 @@ from hypothesis import strategies as st
 
 from capyctl.errors import Unavailable
 from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app
+from capyctl.proxy._routes import FORM_ROUTES, JSON_ROUTES, SYSTEMONE_ROUTE
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 KEY, SCOPED_KEY = "sk-fuzz", "sk-only-other"
 MODEL = "m"
 MAX_BODY = 64 * 1024
+MAX_UPLOAD = 128 * 1024
+# Every POST route that reads a model from its body (JSON or form) and then asks for admission.
+ADMITTING_ROUTES = (*JSON_ROUTES, *FORM_ROUTES, SYSTEMONE_ROUTE)
 
 
 class UnwakeableRouter:
@@ -56,7 +60,7 @@ class Proxy:
         keys = StaticKeys({KEY: KeyGrant("fuzz"), SCOPED_KEY: KeyGrant("scoped", models=frozenset({"other"}))})
 
         async def start() -> TestClient:
-            client = TestClient(TestServer(build_app(self.router, keys, max_body=MAX_BODY)))
+            client = TestClient(TestServer(build_app(self.router, keys, max_body=MAX_BODY, max_upload=MAX_UPLOAD)))
             await client.start_server()
             return client
 
@@ -98,9 +102,9 @@ openai_like = st.fixed_dictionaries({}, optional={
 })
 bodies = st.one_of(st.binary(max_size=300), json_values.map(lambda v: json.dumps(v).encode()),
                    openai_like.map(lambda v: json.dumps(v).encode()))
-routes = st.sampled_from(["/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-                          "/v1/embeddings", "/v1/systemone", "/sleep", "/wake_up", "/props", "/slots",
-                          "/v1/../sleep", "/release_memory_occupation"])
+routes = st.sampled_from(["/health", "/metrics", "/v1/models", *ADMITTING_ROUTES, "/v1/responses/resp_1",
+                          "/sleep", "/wake_up", "/props", "/slots", "/v1/../sleep", "/release_memory_occupation",
+                          "/collective_rpc", "/v1/messages/render", "/v1/decisions", "/tokenizer_info"])
 random_paths = st.text(alphabet=string.ascii_letters + string.digits + "-._~/", max_size=40).map(
     lambda p: "/" + p.lstrip("/"))  # "//host" would read as a URL with a host, not a path
 methods = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"])
@@ -139,18 +143,17 @@ def test_no_request_gets_a_server_error_other_than_the_documented_503(proxy, met
                    parser_may_refuse="Content-Encoding" in extra)
     admitted = proxy.router.admitted[before:]
     if status == 503:
-        assert error["code"] == "wake_failed" and admitted == [MODEL]
+        # this router admits whatever model name a keyed, well-formed request asks for
+        assert error["code"] == "wake_failed" and len(admitted) == 1
     if admitted:
         # Only a keyed, well-formed request for the one model it may use gets as far as admission.
         assert extra.get("Authorization", "").split() == ["Bearer", KEY] or \
             extra.get("Authorization", "").lower().split() == ["bearer", KEY.lower()]
-        assert method == "POST" and path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                                             "/v1/systemone")
+        assert method == "POST" and path in ADMITTING_ROUTES
 
 
 @FUZZ
-@given(route=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/systemone"]),
-       body=bodies)
+@given(route=st.sampled_from([*JSON_ROUTES, SYSTEMONE_ROUTE]), body=bodies)
 def test_keyed_random_bodies_are_refused_or_admitted_never_a_server_error(proxy, route, body):
     before = len(proxy.router.admitted)
     status, content_type, raw = proxy.request("POST", route, body=body, headers={"Authorization": f"Bearer {KEY}"})
@@ -162,6 +165,8 @@ def test_keyed_random_bodies_are_refused_or_admitted_never_a_server_error(proxy,
         parsed = None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str) or not parsed["model"]:
         assert admitted == [] and status == 400 and error["code"] in ("invalid_json", "missing_model")
+    if status == 404:  # a route is refused only for a model the key may not use or that does not exist
+        assert admitted in ([], [parsed["model"]]) and error["code"] == "model_not_found"
     if admitted:
         assert status == 503
     if route == "/v1/systemone" and status in (400, 422) and error["code"] not in ("invalid_json", "missing_model"):
@@ -192,3 +197,63 @@ def test_a_body_that_is_not_utf8_is_invalid_json(proxy):
     status, content_type, raw = proxy.request("POST", "/v1/chat/completions", body=b"\xff\xfe{}",
                                               headers={"Authorization": f"Bearer {KEY}"})
     assert (status, _check(status, content_type, raw, "not utf-8")["code"]) == (400, "invalid_json")
+
+
+# ---------------------------------------------------------------- multipart forms (/v1/audio/transcriptions)
+
+form_fields = st.lists(st.tuples(st.sampled_from(["model", "file", "language", "prompt", "x", ""]),
+                                 st.one_of(st.text(max_size=30), st.sampled_from([MODEL, "other"])),
+                                 st.booleans()),  # sent as a file part?
+                       max_size=5)
+
+
+def _form(fields) -> aiohttp.FormData:
+    form = aiohttp.FormData()
+    for name, value, as_file in fields:
+        if as_file:
+            form.add_field(name, value.encode(), filename="a.wav", content_type="audio/wav")
+        else:
+            form.add_field(name, value)
+    return form
+
+
+@FUZZ
+@given(fields=form_fields, raw=st.none() | st.binary(max_size=300),
+       boundary=st.sampled_from(["", "; boundary=xyz", "; boundary=", '; boundary="a b"']))
+def test_random_forms_are_refused_or_admitted_never_a_server_error(proxy, fields, raw, boundary):
+    before = len(proxy.router.admitted)
+
+    async def go():
+        if raw is None:
+            data, headers = _form(fields), {"Authorization": f"Bearer {KEY}"}
+        else:  # bytes that claim to be a form
+            data, headers = raw, {"Authorization": f"Bearer {KEY}", "Content-Type": "multipart/form-data" + boundary}
+        async with proxy.client.post("/v1/audio/transcriptions", data=data, headers=headers) as r:
+            return r.status, r.content_type, await r.read()
+    status, content_type, body = proxy.runner.run(go())
+    error = _check(status, content_type, body, f"form {fields!r:.100} {raw!r:.60}")
+    admitted = proxy.router.admitted[before:]
+    text_models = [value for name, value, as_file in fields if name == "model" and not as_file]
+    multipart = raw is None and any(as_file for _, _, as_file in fields)  # else aiohttp sends it urlencoded
+    if multipart and any(name == "" for name, _, _ in fields):
+        assert (status, error["code"], admitted) == (400, "invalid_form", [])  # a part without a name
+        return
+    if multipart and text_models and text_models[0].strip():
+        # The first text field named model selects the deployment (this router admits any name).
+        assert (status, admitted) == (503, [text_models[0].strip()]), error
+    else:
+        assert admitted == [] and status in (400, 413), error
+
+
+def test_an_oversized_upload_is_413_before_admission(proxy):
+    form = aiohttp.FormData()
+    form.add_field("model", MODEL)
+    form.add_field("file", b"\0" * (MAX_UPLOAD + 1), filename="a.wav", content_type="audio/wav")
+
+    async def go(data):
+        async with proxy.client.post("/v1/audio/transcriptions", data=data,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as r:
+            return r.status, r.content_type, await r.read()
+    status, content_type, raw = proxy.runner.run(go(form))
+    assert (status, _check(status, content_type, raw, "oversized form")["code"]) == (413, "request_too_large")
+    assert proxy.router.admitted == []

@@ -182,7 +182,7 @@ class FakeActor:
         self.submitted: list[tuple[str, dict]] = []
 
     def upstream(self) -> Upstream:
-        return Upstream("smol", "http://127.0.0.1:1234", self.key, "llama.cpp")
+        return Upstream("smol", "http://127.0.0.1:1234", self.key, "llama.cpp", frozenset({"chat", "completions"}))
 
     def submit(self, op: str, **args) -> None:
         self.submitted.append((op, args))

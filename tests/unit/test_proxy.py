@@ -173,9 +173,9 @@ async def setup() -> AsyncIterator[Setup]:
     upstream_app.router.add_route("*", "/{tail:.*}", fake.handle)  # records anything, control routes too
     upstream_runner, upstream_url = await _start(upstream_app)
     router = FakeRouter({
-        "model-a": Upstream("dep-a", upstream_url, UPSTREAM_KEY, "llama.cpp", frozenset({"chat", "logprobs"}),
-                            served_model="engine-name-a"),
-        "model-b": Upstream("dep-b", upstream_url, UPSTREAM_KEY, "vllm", frozenset({"chat"})),
+        "model-a": Upstream("dep-a", upstream_url, UPSTREAM_KEY, "llama.cpp",
+                            frozenset({"chat", "completions", "logprobs"}), served_model="engine-name-a"),
+        "model-b": Upstream("dep-b", upstream_url, UPSTREAM_KEY, "vllm", frozenset({"chat", "completions", "embeddings"})),
         "model-native": Upstream("dep-n", upstream_url, UPSTREAM_KEY, "tensorfold", frozenset({"systemone"})),
     })
     keys = StaticKeys({ADMIN_KEY: KeyGrant("admin"), SCOPED_KEY: KeyGrant("scoped", frozenset({"model-b"}))})
@@ -360,7 +360,8 @@ async def test_unreachable_engine_is_502_before_headers(setup: Setup, http: aioh
     with socket.socket() as probe:  # a loopback port nobody listens on
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]
-    setup.router.upstreams["model-dead"] = Upstream("dep-dead", f"http://127.0.0.1:{dead_port}", None, "custom")
+    setup.router.upstreams["model-dead"] = Upstream("dep-dead", f"http://127.0.0.1:{dead_port}", None, "custom",
+                                                    frozenset({"chat"}))
     async with http.post(setup.url + "/v1/chat/completions", headers=auth(),
                          json={"model": "model-dead", "stream": True}) as response:
         assert response.status == 502
@@ -594,7 +595,7 @@ async def test_request_timeout_bounds_the_upstream_exchange(setup: Setup, http: 
     slow_app = web.Application()
     slow_app.router.add_post("/v1/completions", never)
     slow_runner, slow_url = await _start(slow_app)
-    router = FakeRouter({"slow": Upstream("dep-slow", slow_url, None, "custom"),
+    router = FakeRouter({"slow": Upstream("dep-slow", slow_url, None, "custom", frozenset({"completions"})),
                          "model-a": setup.router.upstreams["model-a"]})
     runner, url = await _start(build_app(router, None, request_timeout=0.5))
     try:

@@ -102,6 +102,9 @@ async def proxy() -> AsyncIterator[tuple[str, FakeEngine, FakeRouter]]:
         "chat-only": Upstream("dep-c", engine_url, LAUNCH_KEY, "custom", frozenset({"chat", "completions"})),
         "store": Upstream("dep-s", engine_url, LAUNCH_KEY, "custom",
                           frozenset({"responses", "responses_get", "responses_delete"})),
+        # vLLM with a pooling runner: no generation routes (entrypoints/pooling/, 0.32.0)
+        "pool": Upstream("dep-p", engine_url, LAUNCH_KEY, "vllm", frozenset({"embeddings", "rerank", "score", "tokenize"})),
+        "tf": Upstream("dep-t", engine_url, LAUNCH_KEY, "tensorfold", frozenset({"chat", "tokenize_v1"})),
     })
     keys = StaticKeys({KEY: KeyGrant("admin"), SCOPED: KeyGrant("scoped", frozenset({"chat-only"}))})
     proxy_runner, proxy_url = await _start(build_app(router, keys, max_body=4096))
@@ -146,11 +149,13 @@ def test_a_custom_engine_may_declare_the_new_routes() -> None:
 
 # ---------------------------------------------------------------- forwarding by capability
 
-@pytest.mark.parametrize("path", ["/v1/responses", "/tokenize", "/detokenize", "/v1/messages/count_tokens"])
-async def test_a_served_route_goes_to_the_same_path(proxy, path: str) -> None:
+@pytest.mark.parametrize("model,path", [("llama", "/v1/responses"), ("llama", "/tokenize"), ("llama", "/detokenize"),
+                                        ("llama", "/v1/messages/count_tokens"), ("pool", "/v1/embeddings"),
+                                        ("pool", "/v1/rerank"), ("pool", "/v1/score"), ("tf", "/v1/tokenize")])
+async def test_a_served_route_goes_to_the_same_path(proxy, model: str, path: str) -> None:
     url, engine, router = proxy
     async with aiohttp.ClientSession() as http:
-        async with http.post(url + path + "?x=1", json={"model": "llama", "input": "hi"},
+        async with http.post(url + path + "?x=1", json={"model": model, "input": "hi"},
                              headers={"Authorization": f"Bearer {KEY}"}) as response:
             assert response.status == 200
     assert engine.requests[-1][0] == path
@@ -169,6 +174,26 @@ async def test_a_route_the_engine_does_not_serve_is_a_404_naming_what_it_serves(
     assert error["code"] == "route_not_served"
     assert path in error["message"] and "/v1/chat/completions, /v1/completions" in error["message"]
     assert engine.requests == [] and router.in_flight == 0
+
+
+@pytest.mark.parametrize("model,path", [("pool", "/v1/chat/completions"), ("pool", "/v1/completions"),
+                                        ("llama", "/v1/embeddings"), ("llama", "/v1/score"), ("tf", "/tokenize"),
+                                        ("llama", "/v1/tokenize")])
+async def test_chat_completions_and_embeddings_go_through_the_table_too(proxy, model: str, path: str) -> None:
+    url, engine, router = proxy
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + path, json={"model": model, "messages": [], "input": "hi"},
+                             headers={"Authorization": f"Bearer {KEY}"}) as response:
+            assert response.status == 404
+            error = (await response.json())["error"]
+    assert error["code"] == "route_not_served" and path in error["message"]
+    assert error["message"].endswith(", ".join(routes_served(router.upstreams[model].capabilities)) + ".")
+    assert engine.requests == [] and router.in_flight == 0
+
+
+def test_routes_served_names_the_stored_response_methods_and_systemone() -> None:
+    assert routes_served({"responses", "responses_get", "decisions", "transcriptions"}) == [
+        "/v1/audio/transcriptions", "/v1/responses", "GET /v1/responses/{id}", "/v1/systemone"]
 
 
 async def test_anthropic_route_not_served_is_not_found_error(proxy) -> None:
