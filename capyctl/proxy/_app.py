@@ -150,7 +150,10 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     # (admission is the Router's job, not the connection pool's).
     connector = EngineConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    # No cookie jar (engines set none that matter; filtering cookies costs on every request) and no
+    # decompression (Accept-Encoding: identity is asked; bytes are passed on as they come).
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
+                                     auto_decompress=False) as session:
         app[SESSION] = session
         yield
 

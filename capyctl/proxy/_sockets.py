@@ -8,6 +8,7 @@ import socket
 from typing import MutableMapping, Sequence
 
 from aiohttp import web
+from aiohttp.log import access_logger
 
 from ..errors import CapyError
 
@@ -71,7 +72,12 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
     if (sock is None) == (host_port is None):
         raise CapyError("Give either a socket or a HOST:PORT to serve on.", code="invalid_listen_address",
                         status=400)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    # No access log: aiohttp's would format and write one line per request (to the journal, under
+    # the daemon's INFO logging), a cost on every request for what /metrics already counts.
+    # CAPYCTL_ACCESS_LOG=1 turns it on for debugging.
+    access_log = access_logger if os.environ.get("CAPYCTL_ACCESS_LOG") == "1" else None
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
+                           access_log=access_log)
     await runner.setup()
     try:
         if sock is not None:

@@ -96,6 +96,9 @@ class Store:
         if str(path) != ":memory:":
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
         self._lock = threading.RLock()
+        # Bumped whenever this Store creates or revokes an API key: a verifier that caches keys
+        # (daemon.StoreKeys) forgets them when it changes.
+        self.keys_generation = 0
         self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
@@ -276,6 +279,7 @@ class Store:
         with self._tx() as db:
             db.execute("INSERT INTO api_keys(id, name, hash, models_json, created_at) VALUES (?,?,?,?,?)",
                        (key_id, name, _hash_key(secret), json.dumps(sorted(models)) if models else None, now))
+        self.keys_generation += 1
         return ApiKey(key_id, name, frozenset(models) if models else None, now, None), secret
 
     def _key(self, row: sqlite3.Row) -> ApiKey:
@@ -296,11 +300,14 @@ class Store:
                 raise Conflict(f"{len(rows)} keys are named {key_id_or_name!r}; revoke one by its id",
                                code="key_ambiguous")
             db.execute("UPDATE api_keys SET revoked_at=? WHERE id=?", (time.time(), rows[0]["id"]))
+        self.keys_generation += 1
         return self._key(rows[0])
 
     def verify_key(self, secret: str) -> ApiKey | None:
         """The key's record if ``secret`` is a live key; constant-time on the hash."""
-        if not secret.startswith(KEY_PREFIX):
+        # Keys are ASCII; anything else (a header with bytes that are not UTF-8 reaches us with
+        # lone surrogates) is no key, and could not even be hashed or queried.
+        if not secret.startswith(KEY_PREFIX) or not secret.isascii():
             return None
         key_id = secret[len(KEY_PREFIX):].split("-", 1)[0]
         rows = self._rows("SELECT * FROM api_keys WHERE id=? AND revoked_at IS NULL", key_id)

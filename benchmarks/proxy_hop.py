@@ -1,0 +1,216 @@
+"""What one hop through the CapyCTL proxy costs, with nothing else in the measurement.
+
+The engine here answers at once: nginx returning a fixed chat completion (no model, no
+inference noise), so the time a request takes is the network stack plus the proxies.
+Three paths, alternated request by request:
+
+- direct: client -> engine;
+- nginx: client -> nginx (its own process, one worker, keepalive upstream, proxy_buffering off) -> engine;
+- capyctl: client -> the CapyCTL proxy in its own process (benchmarks/_one_engine_proxy.py,
+  key checked against a real SQLite store as the daemon does) -> engine.
+
+Prints median and p95 latency of each, the hop each proxy adds over direct, and the ratio of
+CapyCTL's hop to nginx's. ``--profile DIR`` records the proxy with py-spy while it runs and
+writes py-spy's flame graph (SVG), its collapsed stacks and the top functions there.
+Run: .venv/bin/python benchmarks/proxy_hop.py [--requests 2000] [--profile DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proxy_overhead import CLIENT_KEY, free_port, p95  # noqa: E402
+from proxy_vs_nginx import find_nginx, wait_healthy  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from capyctl.store import Store  # noqa: E402
+
+ANSWER = json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "smol",
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"},
+                                  "finish_reason": "length"}],
+                     "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+
+# Two nginx processes, each with one worker: the engine, and nginx as the proxy in front of it.
+# (One process for both would hand requests to its own engine without a process switch, which
+# no real engine allows, and make nginx's hop look free.)
+NGINX_COMMON = """\
+worker_processes 1;
+daemon off;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    keepalive_requests 1000000;
+{server}
+}}
+"""
+ENGINE_SERVER = """\
+    server {{  # the engine: answers at once
+        listen 127.0.0.1:{engine_port};
+        location / {{ default_type application/json; return 200 '{answer}'; }}
+    }}"""
+PROXY_SERVER = """\
+    upstream engine {{ server 127.0.0.1:{engine_port}; keepalive 32; }}
+    server {{  # nginx as the proxy
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Authorization "Bearer launch";
+            proxy_buffering off;
+        }}
+    }}"""
+
+
+async def one(http: aiohttp.ClientSession, url: str, key: str) -> float:
+    body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    started = time.perf_counter()
+    async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        await r.read()
+        assert r.status == 200, r.status
+    return time.perf_counter() - started
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(paths: dict[str, tuple[str, str]], requests: int, proxy_pid: int,
+                  cpu: dict[str, float]) -> dict[str, list[float]]:
+    latency: dict[str, list[float]] = {name: [] for name in paths}
+    async with aiohttp.ClientSession() as http:
+        for name, (url, _) in paths.items():
+            await wait_healthy(http, url, name, path="/health" if name == "capyctl" else "/")
+        for _ in range(50):  # warm pools and caches
+            for url, key in paths.values():
+                await one(http, url, key)
+        url, key = paths["capyctl"]
+        before = cpu_seconds(proxy_pid)
+        for _ in range(requests):  # the proxy's own CPU per request, with nothing else going through it
+            await one(http, url, key)
+        cpu["capyctl_per_request_s"] = (cpu_seconds(proxy_pid) - before) / requests
+        for _ in range(requests):
+            for name, (url, key) in paths.items():
+                latency[name].append(await one(http, url, key))
+    return latency
+
+
+def profile_report(svg: Path, raw: Path, out: Path) -> None:
+    """The functions py-spy saw most often (self and total), from its raw collapsed stacks."""
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        samples += n
+        frames = stack.split(";")
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            total[frame] = total.get(frame, 0) + n
+    lines = [f"py-spy samples: {samples} (flame graph: {svg.name})", "", "top self time:"]
+    lines += [f"  {n / samples:6.1%}  {frame}" for frame, n in sorted(own.items(), key=lambda kv: -kv[1])[:15]]
+    lines += ["", "top total time:"]
+    lines += [f"  {n / samples:6.1%}  {frame}" for frame, n in sorted(total.items(), key=lambda kv: -kv[1])[:25]]
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:18]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--nginx")
+    parser.add_argument("--profile", type=Path, help="record the proxy with py-spy; write results here")
+    parser.add_argument("--json", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args()
+    nginx = find_nginx(args.nginx)
+    prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-hop-"))
+    engine_port, nginx_port, proxy_port = free_port(), free_port(), free_port()
+    servers = {"engine": ENGINE_SERVER.format(engine_port=engine_port, answer=ANSWER),
+               "proxy": PROXY_SERVER.format(engine_port=engine_port, port=nginx_port)}
+    for name, server in servers.items():
+        for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (prefix / name / sub).mkdir(parents=True)
+        (prefix / name / "nginx.conf").write_text(NGINX_COMMON.format(prefix=prefix / name, server=server))
+    _, store_key = Store(prefix / "state.db").create_key("bench")  # the daemon's keys, in SQLite
+    processes: list[subprocess.Popen] = []
+    try:
+        for name in servers:
+            processes.append(subprocess.Popen([nginx, "-p", str(prefix / name), "-c", str(prefix / name / "nginx.conf"),
+                                               "-e", str(prefix / name / "error.log")], stderr=subprocess.DEVNULL))
+        proxy = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
+             "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", "launch",
+             "--port", str(proxy_port), "--store", str(prefix / "state.db")],
+            stdout=subprocess.DEVNULL)
+        processes.append(proxy)
+        spies: list[subprocess.Popen] = []
+        if args.profile:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            time.sleep(1.5)  # the proxy imports before it listens
+            # Two recordings of the same run: py-spy's own flame graph, and collapsed stacks to rank.
+            spies = [subprocess.Popen([py_spy, "record", "--pid", str(proxy.pid), "--rate", "250", "--format", fmt,
+                                       "--output", str(args.profile / name)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for fmt, name in (("flamegraph", "proxy-hop.svg"), ("raw", "proxy-hop.collapsed"))]
+        paths = {"direct": (f"http://127.0.0.1:{engine_port}", CLIENT_KEY),
+                 "nginx": (f"http://127.0.0.1:{nginx_port}", CLIENT_KEY),
+                 "capyctl": (f"http://127.0.0.1:{proxy_port}", store_key)}
+        cpu: dict[str, float] = {}
+        latency = asyncio.run(measure(paths, args.requests, proxy.pid, cpu))
+        for spy in spies:
+            spy.send_signal(2)  # py-spy writes its output on SIGINT
+        for spy in spies:
+            spy.wait(timeout=60)
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            process.wait(timeout=30)
+        shutil.rmtree(prefix, ignore_errors=True)
+
+    med = {name: statistics.median(v) for name, v in latency.items()}
+    tail = {name: p95(v) for name, v in latency.items()}
+    hop = {name: med[name] - med["direct"] for name in ("nginx", "capyctl")}
+    print(f"machine: {os.cpu_count()} cpus; {args.requests} requests on each path, alternated; engine: nginx "
+          "answering at once")
+    print(f"{'':24}{'direct':>10}{'nginx':>10}{'capyctl':>10}")
+    print(f"{'median (us)':24}" + "".join(f"{med[n] * 1e6:>10.0f}" for n in paths))
+    print(f"{'p95 (us)':24}" + "".join(f"{tail[n] * 1e6:>10.0f}" for n in paths))
+    print(f"{'hop over direct (us)':24}{'':>10}{hop['nginx'] * 1e6:>10.0f}{hop['capyctl'] * 1e6:>10.0f}")
+    print(f"capyctl hop / nginx hop: {hop['capyctl'] / hop['nginx']:.2f}x")
+    print(f"CapyCTL proxy CPU per request: {cpu['capyctl_per_request_s'] * 1e6:.0f} us")
+    if args.json:
+        args.json.write_text(json.dumps({"requests": args.requests, "median_s": med, "p95_s": tail,
+                                         "hop_s": hop, **cpu, "samples": latency}))
+    if args.profile and (args.profile / "proxy-hop.collapsed").exists():
+        profile_report(args.profile / "proxy-hop.svg", args.profile / "proxy-hop.collapsed",
+                       args.profile / "proxy-hop-top.txt")
+
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The event loop CapyCTL's daemon runs on: uvloop where it is installed, asyncio's own otherwise.
+
+uvloop's transports and selector are C (libuv): the proxy's per-request cost on a small request
+fell from about 570 to about 300 microseconds with it (benchmarks/proxy_hop.py). It is a
+dependency on the platforms it has wheels for; ``CAPYCTL_EVENT_LOOP=asyncio`` forces the
+pure-Python loop (to compare, or where uvloop misbehaves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Callable, Coroutine, TypeVar
+
+T = TypeVar("T")
+
+
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory, or None (asyncio's default loop)."""
+    if os.environ.get("CAPYCTL_EVENT_LOOP", "auto") == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def loop_name() -> str:
+    return "uvloop" if loop_factory() is not None else "asyncio"
+
+
+def run(main: Coroutine[object, object, T]) -> T:
+    """``asyncio.run`` on the loop :func:`loop_factory` chooses."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main)
