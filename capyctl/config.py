@@ -39,6 +39,11 @@ class Paths:
         """0700 directory with one 0600 environment file per engine launch (its per-launch key)."""
         return self.state_dir / "secrets"
 
+    @property
+    def credentials_dir(self) -> Path:
+        """0700 directory with the admin token and the operator key (0600 each)."""
+        return self.state_dir / "credentials"
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "Paths":
         env = os.environ if env is None else env

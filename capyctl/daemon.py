@@ -103,7 +103,8 @@ class Daemon:
             self._runners.append(await serve(proxy, sock=sockets["openai"]))
         else:
             self._runners.append(await serve(proxy, host_port=self.config.listen))
-        api = build_api(self.controller, self.store)
+        from .api import Credentials
+        api = build_api(self.controller, self.store, Credentials(paths.credentials_dir))
         api_sock = sockets.get("api") or self._bind_api_socket(paths.api_socket)
         self._runners.append(await serve(api, sock=api_sock))
         log.info("serving OpenAI endpoint on %s and management API on %s",

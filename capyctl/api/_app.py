@@ -1,8 +1,10 @@
 """The management API: JSON over HTTP on a unix socket (root:capyctl 0660).
 
-The socket's permissions are the authentication: whoever may open it may manage CapyCTL,
-as with systemd's own private socket. Long operations answer NDJSON events, one a line, so
-the CLI can show progress (deploy --wait, logs -f).
+Each request is authenticated to a role (``_auth.py``): a peer on the socket without a
+credential, or the admin token, is ``admin``; the operator key (``capyctl mcp``) is
+``operator``, which may read and operate deployments but not manage hosts, engines or keys.
+Actions accept ``Idempotency-Key`` (``_idempotency.py``). Long operations answer NDJSON events,
+one a line, so the CLI can show progress (deploy --wait, logs -f).
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
-from ..controller import Controller
+from ..controller import Controller, UsageView
 from ..errors import CapyError, InvalidRequest
 from ..spec import DeploymentSpec, EngineSpec, ManifestError
 from ..store import Store
+from ._auth import ADMIN, ROLE, Credentials, authenticate, authorize
+from ._idempotency import HEADER as IDEMPOTENCY_KEY
+from ._idempotency import IdempotentOperations
 
 log = logging.getLogger("capyctl.api")
 
 CONTROLLER = web.AppKey("controller", Controller)
 STORE = web.AppKey("store", Store)
+CREDENTIALS = web.AppKey("credentials", Credentials)
+OPERATIONS = web.AppKey("operations", IdempotentOperations)
+USAGE = web.AppKey("usage", UsageView)
 
 
 def _error(exc: CapyError | ManifestError) -> web.Response:
@@ -49,6 +57,25 @@ async def _errors(request: web.Request, handler):
     except Exception as exc:  # keep the daemon up; the caller sees a stable code
         log.exception("management API: %s %s", request.method, request.path)
         return _error(CapyError(f"internal error: {exc!r}"))
+
+
+@web.middleware
+async def _authenticated(request: web.Request, handler):
+    credentials = request.app.get(CREDENTIALS)
+    if credentials is None:
+        request[ROLE] = ADMIN  # built without credentials (tests): the socket alone guards, as before roles
+    else:
+        store = request.app[STORE]
+        request[ROLE] = authenticate(request, credentials, lambda secret: store.verify_key(secret) is not None)
+    authorize(request, request[ROLE])
+    return await handler(request)
+
+
+async def _once(request: web.Request, operation, body: bytes = b"") -> tuple[asyncio.Task, bool]:
+    """The operation's task, shared by every request with the same Idempotency-Key (and whether
+    this request started it). A client that goes away does not cancel it."""
+    fingerprint = IdempotentOperations.fingerprint(request.method, request.path, body)
+    return request.app[OPERATIONS].start(request.headers.get(IDEMPOTENCY_KEY), fingerprint, operation)
 
 
 async def _body(request: web.Request) -> dict:
@@ -86,6 +113,7 @@ async def get_deployment(request: web.Request) -> web.Response:
 
 async def create_deployment(request: web.Request) -> web.StreamResponse:
     ctl = request.app[CONTROLLER]
+    raw = await request.read()
     body = await _body(request)
     spec = _validate(DeploymentSpec, body.get("spec"), "request body: spec")
     ctl.engine_for(spec)  # an unknown engine is a 400 before anything streams
@@ -106,8 +134,8 @@ async def create_deployment(request: web.Request) -> web.StreamResponse:
                 await waker
         return actor.describe()
 
-    task = asyncio.create_task(run())
-    while True:
+    task, started = await _once(request, run, raw)
+    while started:
         getter = asyncio.create_task(events.get())
         done, _ = await asyncio.wait({task, getter}, return_when=asyncio.FIRST_COMPLETED)
         if getter in done:
@@ -118,7 +146,7 @@ async def create_deployment(request: web.Request) -> web.StreamResponse:
             await resp.write((json.dumps(events.get_nowait()) + "\n").encode())
         break
     try:
-        final = {"event": "done", "deployment": task.result()}
+        final = {"event": "done", "deployment": await asyncio.shield(task)}
     except CapyError as exc:
         final = {"event": "error", "error": exc.to_dict()}
     await resp.write((json.dumps(final) + "\n").encode())
@@ -129,22 +157,33 @@ async def create_deployment(request: web.Request) -> web.StreamResponse:
 def _action(verb: str):
     async def handler(request: web.Request) -> web.Response:
         ctl = request.app[CONTROLLER]
-        actor = await getattr(ctl, verb)(request.match_info["name"])
-        return web.json_response(actor.describe())
+        name = request.match_info["name"]
+
+        async def act() -> dict:
+            return (await getattr(ctl, verb)(name)).describe()
+        task, _ = await _once(request, act)
+        return web.json_response(await asyncio.shield(task))
     return handler
 
 
 async def delete_deployment(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    await request.app[CONTROLLER].delete(name)
-    return web.json_response({"name": name, "deleted": True})
+
+    async def act() -> dict:
+        await request.app[CONTROLLER].delete(name)
+        return {"name": name, "deleted": True}
+    task, _ = await _once(request, act)
+    return web.json_response(await asyncio.shield(task))
 
 
 async def deployment_logs(request: web.Request) -> web.StreamResponse:
     from ..systemd import journal_follow
     ctl = request.app[CONTROLLER]
     actor = ctl.get(request.match_info["name"])
-    lines = int(request.query.get("lines", "50"))
+    try:
+        lines = int(request.query.get("lines", "50"))
+    except ValueError:
+        raise InvalidRequest("lines must be a whole number", code="invalid_lines") from None
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await resp.prepare(request)
     for line in await ctl.journal(actor.unit, lines, actor.host):
@@ -263,14 +302,61 @@ async def check_host(request: web.Request) -> web.Response:
     return web.json_response(await request.app[CONTROLLER].hosts.check(request.match_info["name"]))
 
 
+async def drain_host(request: web.Request) -> web.Response:
+    """Park every deployment that runs on the host, one after the other. New requests may
+    still wake a deployment there: this empties a host, it does not close it to placement."""
+    ctl = request.app[CONTROLLER]
+    name = request.match_info["name"]
+    ctl.hosts.get(name)  # an unknown host is a 404
+
+    async def act() -> dict:
+        results = []
+        for deployment in ctl.describe_host(name)["deployments"]:  # those running or parked in place there
+            actor = ctl.get(deployment)
+            if actor.state == "parked":
+                continue  # parked in place already: parking again frees nothing more
+            try:
+                results.append((await ctl.park(actor.name)).describe() | {"error": None})
+            except CapyError as exc:
+                results.append(actor.describe() | {"error": exc.to_dict()})
+        return {"host": name, "deployments": results,
+                "drained": all(r["error"] is None for r in results)}
+    task, _ = await _once(request, act)
+    return web.json_response(await asyncio.shield(task))
+
+
+# -- usage and the operator key -----------------------------------------------------------------------
+
+async def usage(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[USAGE].view())
+
+
+async def whoami(request: web.Request) -> web.Response:
+    return web.json_response({"role": request[ROLE]})
+
+
+async def rotate_operator_key(request: web.Request) -> web.Response:
+    credentials = request.app.get(CREDENTIALS)
+    if credentials is None:
+        raise CapyError("this management API was started without credentials", code="no_credentials", status=409)
+    credentials.rotate_operator_key()
+    # The key itself is never in an answer: whoever needs it reads the owner-only file.
+    return web.json_response({"rotated": True, "path": str(credentials.operator_key_path)})
+
+
 async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def build_api(controller: Controller, store: Store) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=4 << 20)
+def build_api(controller: Controller, store: Store, credentials: Credentials | None = None) -> web.Application:
+    """``credentials`` None serves every request as admin (tests over TCP); the daemon passes them."""
+    app = web.Application(middlewares=[_errors, _authenticated], client_max_size=4 << 20)
     app[CONTROLLER] = controller
     app[STORE] = store
+    if credentials is not None:
+        app[CREDENTIALS] = credentials
+    app[OPERATIONS] = IdempotentOperations()
+    app[USAGE] = UsageView(controller)
     r = app.router
     r.add_get("/v1/health", health)
     r.add_get("/v1/deployments", list_deployments)
@@ -291,4 +377,8 @@ def build_api(controller: Controller, store: Store) -> web.Application:
     r.add_get("/v1/hosts/{name}", get_host)
     r.add_delete("/v1/hosts/{name}", remove_host)
     r.add_post("/v1/hosts/{name}/check", check_host)
+    r.add_post("/v1/hosts/{name}/drain", drain_host)
+    r.add_get("/v1/usage", usage)
+    r.add_get("/v1/whoami", whoami)
+    r.add_post("/v1/operator-key/rotate", rotate_operator_key)
     return app

@@ -38,6 +38,7 @@ examples:
   capyctl key create --name laptop --models smollm2
   capyctl park deployment smollm2
   capyctl logs deployment smollm2 -f
+  capyctl usage
 
 environment:
   CAPYCTL_STATE_DIR    state directory (default /var/lib/capyctl)
@@ -280,6 +281,80 @@ def cmd_logs(args) -> int:
     return 0
 
 
+# -- usage and the MCP server ----------------------------------------------------------------
+
+def _figure(value, unknown: dict, field: str) -> str:
+    # A figure CapyCTL could not measure reads "unknown", never "0" or "-": the reason follows the table.
+    if value is None:
+        return "unknown" if field in unknown else "-"
+    return human_bytes(value)
+
+
+def cmd_usage(args) -> int:
+    view = ApiClient(args.api_socket, timeout=60).request("GET", "/v1/usage")
+    if args.json:
+        print_json(view)
+        return 0
+    reasons: list[str] = []
+
+    def note(what: str, unknown: dict) -> None:
+        reasons.extend(f"{what} {field}: {why}" for field, why in sorted(unknown.items()))
+
+    rows = []
+    for host in view["hosts"]:
+        note(f"host {host['host']}", host.get("unknown") or {})
+        for d in host["domains"]:
+            unknown = d.get("unknown") or {}
+            note(d["id"], unknown)
+            rows.append([d["id"], host["state"], d.get("model") or "", human_bytes(d["capacity"]),
+                         _figure(d["available"], unknown, "available"), human_bytes(d["reserved"]),
+                         human_bytes(d["unreserved"])])
+    print_table(["DOMAIN", "HOST STATE", "MODEL", "CAPACITY", "AVAILABLE", "RESERVED", "UNRESERVED"], rows)
+    print()
+    rows = []
+    for dep in view["deployments"]:
+        unknown = dep.get("unknown") or {}
+        note(f"deployment {dep['name']}", unknown)
+        idle = human_age(dep["idle_seconds"]) if dep["idle_seconds"] is not None else "unknown"
+        held = []
+        for d in dep["domains"]:
+            note(f"deployment {dep['name']} on {d['id']}", d.get("unknown") or {})
+            held.append(f"{d['id']}={_figure(d['held'], d.get('unknown') or {}, 'held')}")
+        rows.append([dep["name"], dep["state"], dep["host"], dep["in_flight"], dep["waiting"], idle,
+                     " ".join(held)])
+    print_table(["DEPLOYMENT", "STATE", "HOST", "IN FLIGHT", "WAITING", "IDLE", "HELD"], rows)
+    if reasons:
+        print("\nunknown figures:")
+        for line in reasons:
+            print(f"  {line}")
+    return 0
+
+
+def cmd_mcp(args) -> int:
+    from ..config import Paths
+    if args.action == "rotate-key":
+        r = ApiClient(args.api_socket).request("POST", "/v1/operator-key/rotate")
+        print(f"operator key rotated; the new one is in {r['path']} (the old one is refused from now on); "
+              "give it to your MCP clients")
+        import os
+        import shutil
+        import subprocess
+        # The unit received the old key as a credential at start: restart it if it runs.
+        if os.geteuid() == 0 and shutil.which("systemctl"):
+            subprocess.run(["systemctl", "try-restart", "capyctl-mcp.service"], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return 0
+    import os
+    from ..mcp import serve
+    from ._client import default_socket
+    key_path = args.operator_key_file or (
+        Path(os.environ["CREDENTIALS_DIRECTORY"]) / "operator-key" if os.environ.get("CREDENTIALS_DIRECTORY")
+        else Paths.from_env().credentials_dir / "operator.key")
+    return serve(listen=args.listen or os.environ.get("CAPYCTL_MCP_LISTEN") or "127.0.0.1:7444",
+                 api_socket=getattr(args, "api_socket", None) or default_socket(), key_path=Path(key_path),
+                 allowed_origins=args.allow_origin or [], max_concurrent=args.max_concurrent)
+
+
 # -- engines and keys ------------------------------------------------------------------------
 
 def cmd_engine_add(args) -> int:
@@ -401,6 +476,38 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("name", help="deployment name").completer = _deployment_names
         _common(p)
         p.set_defaults(func=func)
+
+    p = add("usage", "how full each GPU and the host RAM are, and what each deployment holds",
+            "Per memory domain (each GPU, each host's RAM): its capacity, the available memory measured\n"
+            "now (NVML, /proc/meminfo), what CapyCTL has reserved for deployments and what is left\n"
+            "unreserved. Per deployment: its state, requests in flight and waiting, how long since its\n"
+            "last request, and the bytes it holds in each domain (NVML per process, its unit's cgroup).\n"
+            "A figure that could not be measured reads 'unknown', with the reason under the tables;\n"
+            "--json gives the same view as GET /v1/usage and the MCP usage tool.")
+    _common(p)
+    p.set_defaults(func=cmd_usage)
+
+    p = add("mcp", "serve the MCP server for AI agents, or rotate its operator key",
+            "capyctl mcp [serve]: a Model Context Protocol server (streamable HTTP at /mcp) whose tools\n"
+            "mirror the management API: list, usage, status, deploy, park, wake, stop, delete, drain, logs.\n"
+            "It reaches CapyCTL through the management socket with the operator key, and every MCP\n"
+            "request must carry that key: Authorization: Bearer <key>. The key is created by the daemon\n"
+            "on its first start in /var/lib/capyctl/credentials/operator.key (0600); the admin token and\n"
+            "API keys are refused. The endpoint is plain HTTP: beyond a trusted LAN put TLS in front.\n"
+            "The packaged unit is capyctl-mcp.service (disabled until you enable it).\n\n"
+            "capyctl mcp rotate-key: replace the operator key (admin only); the old one is refused at once.",
+            epilog="environment:\n  CAPYCTL_MCP_LISTEN  address to listen on (default 127.0.0.1:7444)\n"
+                   "  CREDENTIALS_DIRECTORY  set by systemd: the key is read from its operator-key")
+    p.add_argument("action", nargs="?", choices=["serve", "rotate-key"], default="serve")
+    p.add_argument("--listen", metavar="HOST:PORT", help="address to serve MCP on (default 127.0.0.1:7444)")
+    p.add_argument("--operator-key-file", metavar="FILE",
+                   help="the operator key (default /var/lib/capyctl/credentials/operator.key)")
+    p.add_argument("--allow-origin", action="append", metavar="ORIGIN",
+                   help="a browser Origin to accept besides this machine's loopback (repeatable)")
+    p.add_argument("--max-concurrent", type=int, default=16, metavar="N",
+                   help="requests served at once; more answer 429 (default 16)")
+    _common(p, json_flag=False)
+    p.set_defaults(func=cmd_mcp)
 
     p = add("logs", "show a deployment's journal (journalctl -u capyctl-NAME)")
     p.add_argument("resource", choices=["deployment"])

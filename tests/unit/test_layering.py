@@ -50,3 +50,14 @@ def test_the_actor_uses_only_what_deployment_services_declares():
         text = (PACKAGE / module).read_text()
         used = set(re.findall(r"\b(?:self\.controller|controller|self\.ctl|ctl)\.([A-Za-z_]+)", text))
         assert used <= declared, f"{module} reaches into the controller beyond its interface: {used - declared}"
+
+
+def test_the_mcp_server_reaches_capyctl_only_over_the_management_api():
+    """capyctl mcp is a client: it may not import the daemon's parts, only talk HTTP to the API."""
+    daemon_parts = {"controller", "api", "proxy", "systemd", "scheduler", "store", "engines", "daemon", "hosts"}
+    for path in (PACKAGE.parent / "mcp").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
+                assert node.module.split(".")[0] not in daemon_parts, f"{path.name} imports capyctl.{node.module}"
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                assert not any(node.module.startswith(f"capyctl.{p}") for p in daemon_parts), path.name
