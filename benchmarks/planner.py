@@ -21,6 +21,7 @@ Standard library only (and CapyCTL). Prints medians; speed is not asserted anywh
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -112,6 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=200, help="plans per measurement")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the figures as JSON here")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     now = 20_000.0
@@ -136,6 +138,11 @@ def main() -> None:
     print(f"baseline 2 (brute force), 12 deployments on 4 GPUs, {len(few)} plans: brute force median {t_brute * 1e3:.3f} ms, "
           f"planner median {t_fast * 1e3:.3f} ms; brute force / planner = {t_brute / t_fast:.1f}x; "
           f"same number of victims on every plan: {'yes' if v_fast == v_brute else 'NO'}")
+    if args.json:
+        args.json.write_text(json.dumps({"plans": len(batch), "median_s_1000": t_big, "median_s_10": t_small,
+                                         "scale_ratio": t_big / t_small, "brute_force_median_s": t_brute,
+                                         "planner_median_s_12": t_fast, "brute_over_planner": t_brute / t_fast,
+                                         "same_victims": v_fast == v_brute}))
 
 
 if __name__ == "__main__":

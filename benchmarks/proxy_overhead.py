@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import os
 import secrets
 import socket
@@ -106,7 +107,9 @@ def load_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 async def main() -> None:
-    args = load_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
+    parser = load_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--json", type=Path, help="write every sample as JSON here")
+    args = parser.parse_args()
 
     port, launch_key = free_port(), secrets.token_hex(16)
     engine = subprocess.Popen([args.llama_server, "-m", find_model(), "--host", "127.0.0.1", "--port", str(port),
@@ -165,6 +168,11 @@ async def main() -> None:
     print(f"{'overhead median':28}{ms(mp - md):>12}")
     print(f"{'time to first chunk median':28}{ms(td):>12}{ms(tp):>12}{tp / td:>14.3f}")
     print(f"{'stream chunks/s median':28}{rd:>12.1f}{rp:>12.1f}{rp / rd:>14.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"requests": args.requests, "streams": args.streams, "tokens": args.tokens,
+                                         "latency_s": {"direct": lat_direct, "capyctl": lat_proxy},
+                                         "ttfc_s": {"direct": ttfc_direct, "capyctl": ttfc_proxy},
+                                         "stream_chunks_per_s": {"direct": rate_direct, "capyctl": rate_proxy}}))
 
 
 if __name__ == "__main__":

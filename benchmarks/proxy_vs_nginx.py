@@ -9,16 +9,23 @@ request by request so that drift in the machine's load hits all alike:
 - capyctl: the CapyCTL proxy in a process of its own (benchmarks/_one_engine_proxy.py), with
   a key check, admission through a one-engine router and pass-through streaming.
 
-Prints latency of small requests (median, p95), time to first chunk and chunks/s of streams,
-and the ratios capyctl/nginx. nginx: ``--nginx PATH``, else $CAPYCTL_NGINX, else nginx on PATH
+- litellm (``--litellm PATH``, the ``litellm`` command of a venv with ``litellm[proxy]``):
+  LiteLLM's proxy, one worker, with the same llama-server as an OpenAI-compatible backend.
+
+Prints latency of small requests (median, p95), time to first chunk and chunks/s of streams
+one at a time, aggregate chunks/s of 1, 8 and 64 concurrent streams (``--concurrency``; the
+engine gets one slot per stream), and the ratios capyctl/nginx and capyctl/direct;
+``--json FILE`` writes every sample. nginx: ``--nginx PATH``, else $CAPYCTL_NGINX, else nginx on PATH
 (scripts/bench unpacks Debian's package into /var/cache/capyctl-build/nginx).
 Run: .venv/bin/python benchmarks/proxy_vs_nginx.py [--requests 60] [--streams 8] [--tokens 64]
+     [--concurrency 1,8,64] [--rounds 3] [--litellm PATH] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -26,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import aiohttp
@@ -84,24 +92,77 @@ async def wait_healthy(http: aiohttp.ClientSession, url: str, what: str, path: s
     sys.exit(f"{what} did not become healthy")
 
 
+LITELLM_CONFIG = """\
+model_list:
+  - model_name: smol
+    litellm_params:
+      model: openai/smol
+      api_base: http://127.0.0.1:{engine_port}/v1
+      api_key: {launch_key}
+litellm_settings:
+  drop_params: true
+general_settings:
+  master_key: {client_key}
+"""
+
+
+def start_litellm(binary: str, prefix: Path, engine_port: int, launch_key: str, port: int) -> subprocess.Popen:
+    """LiteLLM's proxy, one worker, for the same llama-server as an OpenAI-compatible backend."""
+    (prefix / "litellm.yaml").write_text(LITELLM_CONFIG.format(engine_port=engine_port, launch_key=launch_key,
+                                                               client_key=CLIENT_KEY))
+    # No network: the model cost map from the package, no telemetry; errors only in its log.
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
+           "LITELLM_TELEMETRY": "False", "DISABLE_ADMIN_UI": "True", "NO_DOCS": "True"}
+    return subprocess.Popen([binary, "--config", str(prefix / "litellm.yaml"), "--host", "127.0.0.1",
+                             "--port", str(port), "--num_workers", "1"], env=env, cwd=prefix,
+                            stdout=open(prefix / "litellm.log", "wb"), stderr=subprocess.STDOUT)
+
+
+async def concurrent_streams(http: aiohttp.ClientSession, url: str, key: str, streams: int,
+                             tokens: int) -> dict[str, float]:
+    """``streams`` streams at once: aggregate chunks/s from the first request sent to the last chunk."""
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one_stream(http, url, key, tokens) for _ in range(streams)))
+    wall = time.perf_counter() - started
+    chunks = sum(c for _, _, c in results)
+    return {"chunks_per_s": chunks / wall, "wall_s": wall, "chunks": chunks,
+            "ttfc_median_s": statistics.median(t for t, _, _ in results)}
+
+
+def int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
 async def main() -> None:
     parser = load_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--nginx")
+    parser.add_argument("--concurrency", type=int_list, default=[1, 8, 64],
+                        help="concurrent stream counts (default 1,8,64)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each concurrent stream count per path")
+    parser.add_argument("--litellm", help="LiteLLM's `litellm` command (its proxy), measured as a fourth path")
+    parser.add_argument("--json", type=Path, help="write every sample and figure as JSON here")
     args = parser.parse_args()
     nginx = find_nginx(args.nginx)
+    slots = max(args.concurrency + [4])
 
     engine_port, launch_key = free_port(), secrets.token_hex(16)
     prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-nginx-"))
-    nginx_port, proxy_port = free_port(), free_port()
+    nginx_port, proxy_port, litellm_port = free_port(), free_port(), free_port()
     for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
         (prefix / sub).mkdir()
     (prefix / "nginx.conf").write_text(NGINX_CONF.format(prefix=prefix, engine_port=engine_port, port=nginx_port,
                                                          launch_key=launch_key))
     processes: list[subprocess.Popen] = []
+    litellm_status: dict[str, object] = {"measured": False, "error": "not asked for (--litellm)"}
     try:
+        # One slot per concurrent stream (--parallel) and one KV pool shared by them (--kv-unified),
+        # so 64 streams decode together on every path rather than queueing for llama-server's
+        # default 4 slots; the same engine serves every path. The pool holds every stream's prompt
+        # (with the chat template's system prompt, under 128 tokens) and its tokens at once.
         processes.append(subprocess.Popen(
             [args.llama_server, "-m", find_model(), "--host", "127.0.0.1", "--port", str(engine_port),
-             "-c", "2048", "-t", "2", "--api-key", launch_key], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+             "-c", str(max(2048, (args.tokens + 128) * slots)), "--parallel", str(slots), "--kv-unified", "-t", "2",
+             "--api-key", launch_key], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         processes.append(subprocess.Popen(
             [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "error.log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
@@ -109,16 +170,28 @@ async def main() -> None:
             [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
              "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", launch_key,
              "--client-key", CLIENT_KEY, "--port", str(proxy_port)], stdout=subprocess.DEVNULL))
+        litellm = None
+        if args.litellm:
+            litellm = start_litellm(args.litellm, prefix, engine_port, launch_key, litellm_port)
+            processes.append(litellm)
         paths = {"direct": (f"http://127.0.0.1:{engine_port}", launch_key),
                  "nginx": (f"http://127.0.0.1:{nginx_port}", CLIENT_KEY),
                  "capyctl": (f"http://127.0.0.1:{proxy_port}", CLIENT_KEY)}
-        latency = {name: [] for name in paths}
-        ttfc = {name: [] for name in paths}
-        rate = {name: [] for name in paths}
         async with aiohttp.ClientSession() as http:
             await wait_healthy(http, paths["direct"][0], "llama-server")
             await wait_healthy(http, paths["nginx"][0], "nginx")
             await wait_healthy(http, paths["capyctl"][0], "the CapyCTL proxy")
+            if litellm is not None:
+                error = await wait_litellm(http, f"http://127.0.0.1:{litellm_port}", litellm, prefix)
+                if error is None:
+                    paths["litellm"] = (f"http://127.0.0.1:{litellm_port}", CLIENT_KEY)
+                    litellm_status = {"measured": True, "binary": args.litellm}
+                else:
+                    litellm_status = {"measured": False, "error": error}
+                    print(f"LiteLLM: {error}; going on without it", file=sys.stderr)
+            latency: dict[str, list[float]] = {name: [] for name in paths}
+            ttfc: dict[str, list[float]] = {name: [] for name in paths}
+            rate: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(3):  # warm every path (connection pools, prompt cache)
                 for url, key in paths.values():
                     await one_request(http, url, key)
@@ -130,29 +203,68 @@ async def main() -> None:
                     t, r, _ = await one_stream(http, url, key, args.tokens)
                     ttfc[name].append(t)
                     rate[name].append(r)
+            concurrency: dict[str, dict[str, dict[str, list[float]]]] = {}
+            for streams in args.concurrency:
+                point = concurrency[str(streams)] = {name: {"chunks_per_s": [], "wall_s": [], "ttfc_median_s": []}
+                                                     for name in paths}
+                for _ in range(args.rounds):  # alternate the paths round by round
+                    for name, (url, key) in paths.items():
+                        figures = await concurrent_streams(http, url, key, streams, args.tokens)
+                        for field in point[name]:
+                            point[name][field].append(figures[field])
     finally:
         for process in reversed(processes):
             process.terminate()
         for process in processes:
-            process.wait(timeout=30)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
         shutil.rmtree(prefix, ignore_errors=True)
 
     def ms(v: float) -> str:
         return f"{v * 1000:.2f} ms"
 
+    names = list(paths)
     rows = [("latency median (max_tokens 1)", {n: statistics.median(v) for n, v in latency.items()}, ms),
             ("latency p95", {n: p95(v) for n, v in latency.items()}, ms),
             ("time to first chunk median", {n: statistics.median(v) for n, v in ttfc.items()}, ms),
             ("stream chunks/s median", {n: statistics.median(v) for n, v in rate.items()}, lambda v: f"{v:.1f}")]
+    rows += [(f"chunks/s, {s} concurrent streams", {n: statistics.median(p["chunks_per_s"]) for n, p in point.items()},
+              lambda v: f"{v:.1f}") for s, point in concurrency.items()]
     print(f"machine: {os.cpu_count()} cpus; {args.requests} small requests, {args.streams} streams of "
-          f"{args.tokens} tokens on each path; nginx {nginx}")
-    print(f"{'':30}{'direct':>12}{'nginx':>12}{'capyctl':>12}{'capyctl/nginx':>15}")
+          f"{args.tokens} tokens on each path, then {args.rounds} rounds of {','.join(map(str, args.concurrency))} "
+          f"concurrent streams; nginx {nginx}")
+    print(f"{'':34}" + "".join(f"{n:>12}" for n in names) + f"{'capyctl/nginx':>15}{'capyctl/direct':>16}")
     for label, values, fmt in rows:
-        print(f"{label:30}{fmt(values['direct']):>12}{fmt(values['nginx']):>12}{fmt(values['capyctl']):>12}"
-              f"{values['capyctl'] / values['nginx']:>15.3f}")
-    overhead_nginx = statistics.median(latency["nginx"]) - statistics.median(latency["direct"])
-    overhead_capy = statistics.median(latency["capyctl"]) - statistics.median(latency["direct"])
-    print(f"{'overhead over direct (median)':30}{'':>12}{ms(overhead_nginx):>12}{ms(overhead_capy):>12}")
+        print(f"{label:34}" + "".join(f"{fmt(values[n]):>12}" for n in names)
+              + f"{values['capyctl'] / values['nginx']:>15.3f}{values['capyctl'] / values['direct']:>16.3f}")
+    overheads = {n: statistics.median(latency[n]) - statistics.median(latency["direct"]) for n in names[1:]}
+    print(f"{'overhead over direct (median)':34}{'':>12}" + "".join(f"{ms(v):>12}" for v in overheads.values()))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "requests": args.requests, "streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,
+            "engine_slots": slots, "nginx": nginx, "litellm": litellm_status, "latency_s": latency,
+            "ttfc_s": ttfc, "stream_chunks_per_s": rate, "concurrency": concurrency}))
+
+
+async def wait_litellm(http: aiohttp.ClientSession, url: str, process: subprocess.Popen,
+                       prefix: Path) -> str | None:
+    """None once LiteLLM answers a chat completion; else why it did not (it loads for a while)."""
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            tail = (prefix / "litellm.log").read_text(errors="replace").strip().splitlines()[-3:]
+            return f"LiteLLM's proxy exited {process.returncode}: {' | '.join(tail)}"
+        try:
+            async with http.get(url + "/health/liveliness") as r:
+                if r.status == 200:
+                    await one_request(http, url, CLIENT_KEY)
+                    return None
+        except (aiohttp.ClientError, AssertionError):
+            pass
+        await asyncio.sleep(0.5)
+    return "LiteLLM's proxy did not answer within 180 s"
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ park it (llama.cpp parks by stopping its unit), then request → first token; an
 from stopped (cold). Runs alternate so drift in the machine's load hits both alike.
 Needs root (the sandbox). Prints medians and the ratios against the baseline.
 
-Run: .venv/bin/python benchmarks/wake_vs_manual.py [--runs 5]
+Run: .venv/bin/python benchmarks/wake_vs_manual.py [--runs 5] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -57,12 +58,19 @@ def manual_start_to_first_token(binary: str, model: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", type=Path, help="write every run's figures as JSON here")
     args = parser.parse_args()
+
+    def refuse(why: str) -> None:
+        if args.json:  # the summary says why the row is missing
+            args.json.write_text(json.dumps({"error": why}))
+        sys.exit(why)
+
     binary, model = llama_server_path(), smollm2_path()
     if binary is None or model is None:
-        sys.exit("needs llama-server (scripts/build-llama-server) and the SmolLM2 package (scripts/setup)")
+        refuse("needs llama-server (scripts/build-llama-server) and the SmolLM2 package (scripts/setup)")
     if os.geteuid() != 0:
-        sys.exit("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
+        refuse("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
 
     host = CapyHost().boot()
     try:
@@ -91,6 +99,9 @@ def main() -> None:
     print(f"{'CapyCTL: parked -> first token (wake)':44}{ms(parked)}{statistics.median(parked) / base:>10.3f}")
     print(f"{'CapyCTL: stopped -> first token (cold)':44}{ms(cold)}{statistics.median(cold) / base:>10.3f}")
     print(f"{'CapyCTL: ready -> first token':44}{ms(warm)}{statistics.median(warm) / base:>10.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": args.runs, "manual_s": manual, "parked_s": parked, "cold_s": cold,
+                                         "warm_s": warm}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,313 @@
+"""The table of issue 14 from one run of scripts/bench: every ratio, its goal, PASS or MISS.
+
+Reads the JSON results the benchmarks wrote into one folder (``--json`` of each), prints the
+table, the scale and LiteLLM figures, and writes ``summary.json`` and ``latency.png`` (latency
+distributions direct vs nginx vs CapyCTL, and LiteLLM when it was measured) into that folder.
+
+    .venv/bin/python benchmarks/bench_summary.py benchmarks/results/<timestamp>
+
+The helpers above ``main`` are pure (no I/O) and covered by tests/unit/test_bench_summary.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+MiB = 1 << 20
+# The goals of issue 14's table.
+GOAL_ADDED_MEDIAN_S = 0.25e-3  # at most 0.25 ms over direct
+GOAL_MEDIAN_VS_NGINX = 1.02  # at most 1.02x nginx's total
+GOAL_P95_VS_NGINX = 1.05
+GOAL_TTFC_VS_NGINX = 1.03
+GOAL_STREAM_VS_DIRECT = 0.99  # at least, at 1, 8 and 64 streams
+GOAL_WAKE_VS_MANUAL = 1.10
+GOAL_IDLE_RSS = 64 * MiB
+GOAL_RSS_GROWTH = 2 * MiB  # "flat": after 100,000 requests at most this much above the few-request figure
+STREAM_COUNTS = (1, 8, 64)
+
+
+def p95(values: Sequence[float]) -> float:
+    """The 95th percentile as the proxy benchmarks compute it (statistics.quantiles, n=20)."""
+    values = list(values)
+    return statistics.quantiles(values, n=20)[-1] if len(values) >= 2 else values[0]
+
+
+def p99(values: Sequence[float]) -> float:
+    values = list(values)
+    return statistics.quantiles(values, n=100)[-1] if len(values) >= 2 else values[0]
+
+
+@dataclass(frozen=True)
+class Row:
+    measure: str
+    value: str  # what was measured, in words and figures
+    goal: str
+    status: str  # PASS, MISS, "info" (no goal) or "n/a" (not measured in this run, and why in value)
+    ratio: float | None = None  # the figure the goal judges, when there is one
+
+
+def judge(figure: float | None, goal: float, *, at_most: bool) -> str:
+    if figure is None:
+        return "n/a"
+    return "PASS" if (figure <= goal if at_most else figure >= goal) else "MISS"
+
+
+def _median(values: Sequence[float] | None) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}x"
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1000:.2f} ms"
+
+
+def _mib(value: float | None) -> str:
+    return "n/a" if value is None else f"{value / MiB:.1f} MiB"
+
+
+def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
+    """The proxy rows from proxy_vs_nginx.py's JSON: latency samples, streams, concurrency."""
+    if not pvn:
+        why = "proxy_vs_nginx.py wrote no result"
+        return [Row(m, why, g, "n/a") for m, g in (
+            ("added latency, median, 1-token chat", f"<= {GOAL_ADDED_MEDIAN_S * 1000:.2f} ms over direct"),
+            ("latency median, total vs nginx", f"<= {GOAL_MEDIAN_VS_NGINX:.2f}x nginx"),
+            ("latency p95 vs nginx", f"<= {GOAL_P95_VS_NGINX:.2f}x nginx"),
+            ("time to first chunk, median, vs nginx", f"<= {GOAL_TTFC_VS_NGINX:.2f}x nginx"),
+            *((f"stream chunks/s, {n} concurrent, vs direct", f">= {GOAL_STREAM_VS_DIRECT:.2f}x direct")
+              for n in STREAM_COUNTS))]
+    lat = pvn["latency_s"]
+    med = {name: _median(v) for name, v in lat.items()}
+    tail = {name: p95(v) if v else None for name, v in lat.items()}
+    added = med["capyctl"] - med["direct"] if med.get("capyctl") is not None and med.get("direct") else None
+    nginx_added = med["nginx"] - med["direct"] if med.get("nginx") is not None and med.get("direct") else None
+    rows = [
+        Row("added latency, median, 1-token chat",
+            f"{_ms(added)} over direct ({_x(_ratio(med['capyctl'], med['direct']))}); nginx adds {_ms(nginx_added)}",
+            f"<= {GOAL_ADDED_MEDIAN_S * 1000:.2f} ms over direct",
+            judge(added, GOAL_ADDED_MEDIAN_S, at_most=True), added),
+    ]
+    r = _ratio(med["capyctl"], med["nginx"])
+    rows.append(Row("latency median, total vs nginx", f"{_x(r)} ({_ms(med['capyctl'])} vs {_ms(med['nginx'])})",
+                    f"<= {GOAL_MEDIAN_VS_NGINX:.2f}x nginx", judge(r, GOAL_MEDIAN_VS_NGINX, at_most=True), r))
+    r = _ratio(tail["capyctl"], tail["nginx"])
+    rows.append(Row("latency p95 vs nginx",
+                    f"{_x(r)}; {_x(_ratio(tail['capyctl'], tail['direct']))} direct "
+                    f"(nginx {_x(_ratio(tail['nginx'], tail['direct']))} direct)",
+                    f"<= {GOAL_P95_VS_NGINX:.2f}x nginx", judge(r, GOAL_P95_VS_NGINX, at_most=True), r))
+    ttfc = {name: _median(v) for name, v in pvn["ttfc_s"].items()}
+    r = _ratio(ttfc.get("capyctl"), ttfc.get("nginx"))
+    rows.append(Row("time to first chunk, median, vs nginx", f"{_x(r)} ({_ms(ttfc.get('capyctl'))} vs "
+                    f"{_ms(ttfc.get('nginx'))})", f"<= {GOAL_TTFC_VS_NGINX:.2f}x nginx",
+                    judge(r, GOAL_TTFC_VS_NGINX, at_most=True), r))
+    concurrency = pvn.get("concurrency") or {}
+    for n in STREAM_COUNTS:
+        point = concurrency.get(str(n))
+        measure = f"stream chunks/s, {n} concurrent, vs direct"
+        goal = f">= {GOAL_STREAM_VS_DIRECT:.2f}x direct"
+        if not point:
+            rows.append(Row(measure, "not measured in this run", goal, "n/a"))
+            continue
+        rate = {name: _median(p["chunks_per_s"]) for name, p in point.items()}
+        r = _ratio(rate.get("capyctl"), rate.get("direct"))
+        rows.append(Row(measure, f"{_x(r)} ({rate['capyctl']:.0f}/s vs {rate['direct']:.0f}/s; nginx "
+                        f"{_x(_ratio(rate.get('nginx'), rate.get('direct')))})", goal,
+                        judge(r, GOAL_STREAM_VS_DIRECT, at_most=False), r))
+    return rows
+
+
+def wake_row(wake: dict[str, Any] | None) -> Row:
+    measure, goal = "parked -> first token vs llama-server by hand", f"<= {GOAL_WAKE_VS_MANUAL:.2f}x"
+    if not wake or not wake.get("parked_s"):
+        return Row(measure, (wake or {}).get("error") or "wake_vs_manual.py wrote no result", goal, "n/a")
+    manual, parked = _median(wake["manual_s"]), _median(wake["parked_s"])
+    r = _ratio(parked, manual)
+    return Row(measure, f"{_x(r)} ({_ms(parked)} vs {_ms(manual)}; restart-only wake)", goal,
+               judge(r, GOAL_WAKE_VS_MANUAL, at_most=True), r)
+
+
+def rss_rows(scale: dict[str, Any] | None) -> list[Row]:
+    few_goal = f"<= {GOAL_IDLE_RSS / MiB:.0f} MiB"
+    flat_goal = f"<= {GOAL_IDLE_RSS / MiB:.0f} MiB and <= {GOAL_RSS_GROWTH / MiB:.0f} MiB growth"
+    if not scale or scale.get("rss_few_bytes") is None:
+        why = (scale or {}).get("error") or "daemon_scale.py wrote no result"
+        return [Row("daemon idle RSS after a few requests", why, few_goal, "n/a"),
+                Row("daemon idle RSS after many requests (flat?)", why, flat_goal, "n/a")]
+    few, after = scale["rss_few_bytes"], scale.get("rss_after_bytes")
+    rows = [Row("daemon idle RSS after a few requests", _mib(few), few_goal,
+                judge(few, GOAL_IDLE_RSS, at_most=True), few)]
+    count = scale.get("requests", 0)
+    measure = f"daemon idle RSS after {count:,} requests (flat?)"
+    if after is None:
+        return rows + [Row(measure, scale.get("error") or "not measured", flat_goal, "n/a")]
+    growth = after - few
+    ok = after <= GOAL_IDLE_RSS and growth <= GOAL_RSS_GROWTH
+    return rows + [Row(measure, f"{_mib(after)} ({growth / MiB:+.1f} MiB)", flat_goal, "PASS" if ok else "MISS",
+                       after)]
+
+
+def litellm_rows(pvn: dict[str, Any] | None) -> list[Row]:
+    """Where CapyCTL stands against LiteLLM's proxy (no goal in the issue: information)."""
+    if not pvn:
+        return []
+    status = pvn.get("litellm") or {}
+    lat = pvn["latency_s"]
+    if not lat.get("litellm"):
+        return [Row("LiteLLM proxy", status.get("error") or "not measured in this run", "(peer)", "n/a")]
+    med = {name: _median(v) for name, v in lat.items()}
+    tail = {name: p95(v) for name, v in lat.items() if v}
+    rows = [Row("LiteLLM: latency median, CapyCTL vs LiteLLM",
+                f"{_x(_ratio(med['capyctl'], med['litellm']))} ({_ms(med['capyctl'])} vs {_ms(med['litellm'])}; "
+                f"LiteLLM adds {_ms(med['litellm'] - med['direct'])} over direct)", "(peer)", "info"),
+            Row("LiteLLM: latency p95, CapyCTL vs LiteLLM",
+                f"{_x(_ratio(tail['capyctl'], tail['litellm']))} ({_ms(tail['capyctl'])} vs {_ms(tail['litellm'])})",
+                "(peer)", "info")]
+    ttfc = {name: _median(v) for name, v in pvn["ttfc_s"].items()}
+    if ttfc.get("litellm"):
+        rows.append(Row("LiteLLM: time to first chunk, CapyCTL vs LiteLLM",
+                        _x(_ratio(ttfc["capyctl"], ttfc["litellm"])), "(peer)", "info"))
+    for n, point in sorted((pvn.get("concurrency") or {}).items(), key=lambda kv: int(kv[0])):
+        if point.get("litellm"):
+            rate = {name: _median(p["chunks_per_s"]) for name, p in point.items()}
+            rows.append(Row(f"LiteLLM: stream chunks/s, {n} concurrent, CapyCTL vs LiteLLM",
+                            f"{_x(_ratio(rate['capyctl'], rate['litellm']))} (LiteLLM "
+                            f"{_x(_ratio(rate['litellm'], rate['direct']))} direct)", "(peer)", "info"))
+    return rows
+
+
+def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
+    """One hop against an engine that answers at once (proxy_hop.py): the proxy's own cost, no model noise."""
+    if not hop or not hop.get("hop_s"):
+        return []
+    capy, nginx = hop["hop_s"]["capyctl"], hop["hop_s"]["nginx"]
+    cpu = hop.get("capyctl_per_request_s")
+    return [Row("one hop over direct, instant engine (median)",
+                f"{capy * 1e6:.0f} us vs nginx's {nginx * 1e6:.0f} us ({_x(_ratio(capy, nginx))})"
+                + (f"; proxy CPU {cpu * 1e6:.0f} us/request" if cpu else ""), "(profile)", "info")]
+
+
+def evaluate(results: dict[str, Any]) -> list[Row]:
+    """Every row of issue 14's table (then one hop's and LiteLLM's), from the benchmarks' JSON results by name."""
+    pvn = results.get("proxy_vs_nginx")
+    return [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale")),
+            *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
+
+
+def one_line(text: str, limit: int = 110) -> str:
+    """A table cell: the first line of ``text``, cut to ``limit`` characters (summary.json keeps it whole)."""
+    first = (text.strip().splitlines() or [""])[0]
+    return first if len(first) <= limit else first[:limit - 3] + "..."
+
+
+def render_table(rows: Sequence[Row]) -> str:
+    rows = [Row(r.measure, one_line(r.value), r.goal, r.status, r.ratio) for r in rows]
+    widths = [max(len(getattr(r, f)) for r in rows) if rows else 0 for f in ("measure", "value", "goal")]
+    w0, w1, w2 = (max(w, len(h)) for w, h in zip(widths, ("measure", "CapyCTL", "goal")))
+    lines = [f"{'measure':{w0}}  {'CapyCTL':{w1}}  {'goal':{w2}}  result", "-" * (w0 + w1 + w2 + 14)]
+    lines += [f"{r.measure:{w0}}  {r.value:{w1}}  {r.goal:{w2}}  {r.status}" for r in rows]
+    verdict = {s: sum(1 for r in rows if r.status == s) for s in ("PASS", "MISS", "n/a")}
+    lines.append(f"{verdict['PASS']} PASS, {verdict['MISS']} MISS, {verdict['n/a']} not measured")
+    return "\n".join(lines)
+
+
+def render_scale(scale: dict[str, Any] | None) -> str:
+    """Throughput and p99 per deployment behind one daemon, from daemon_scale.py's JSON."""
+    if not scale or not scale.get("deployments"):
+        return "8 deployments behind one proxy: " + one_line((scale or {}).get("error") or "not measured", 200)
+    lines = [f"{len(scale['deployments'])} deployments behind one daemon (instant engines), {scale['requests']:,} "
+             f"requests at {scale['concurrency']} concurrent: {scale['total_rps']:.0f} requests/s in all",
+             f"{'deployment':16}{'requests':>10}{'req/s':>10}{'median':>12}{'p99':>12}"]
+    for name, d in sorted(scale["deployments"].items()):
+        lines.append(f"{name:16}{d['n']:>10}{d['throughput_rps']:>10.0f}{_ms(d['median_s']):>12}{_ms(d['p99_s']):>12}")
+    return "\n".join(lines)
+
+
+def latency_series(results: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    """The latency samples to chart, by panel and path: seconds."""
+    panels: dict[str, dict[str, list[float]]] = {}
+    pvn = results.get("proxy_vs_nginx")
+    if pvn:
+        panels["1-token chat through llama-server"] = {k: v for k, v in pvn["latency_s"].items() if v}
+    hop = results.get("proxy_hop")
+    if hop and hop.get("samples"):
+        panels["one hop, engine answering at once"] = {k: v for k, v in hop["samples"].items() if v}
+    return panels
+
+
+# ---------------------------------------------------------------- I/O
+
+def write_latency_chart(panels: dict[str, dict[str, list[float]]], path: Path) -> Path | None:
+    """Empirical CDFs of latency, one panel per measurement; None without matplotlib or data."""
+    if not panels:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib import ticker
+    except ImportError:
+        return None
+    colors = {"direct": "tab:gray", "nginx": "tab:green", "capyctl": "tab:blue", "litellm": "tab:red"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels.items()):
+        for name, values in series.items():
+            xs = sorted(v * 1000 for v in values)
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=f"{name} (median {statistics.median(xs):.2f} ms)",
+                    color=colors.get(name))
+        ax.set(xscale="log", xlabel="latency (ms, log)", ylabel="fraction of requests", title=title)
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.axhline(0.95, color="black", linewidth=0.5, linestyle=":")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    names = sorted({n for series in panels.values() for n in series} - {"direct", "nginx", "capyctl"})
+    fig.suptitle("Latency distributions: direct vs nginx vs CapyCTL" + "".join(f" vs {n}" for n in names))
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def load_results(folder: Path) -> dict[str, Any]:
+    results = {}
+    for path in sorted(folder.glob("*.json")):
+        if path.name != "summary.json":
+            try:
+                results[path.stem] = json.loads(path.read_text())
+            except ValueError as exc:
+                results[path.stem] = {"error": f"unreadable JSON: {exc}"}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="the run's output folder")
+    args = parser.parse_args(argv)
+    results = load_results(args.folder)
+    rows = evaluate(results)
+    print(render_table(rows))
+    print()
+    print(render_scale(results.get("daemon_scale")))
+    chart = write_latency_chart(latency_series(results), args.folder / "latency.png")
+    summary = {"rows": [asdict(r) for r in rows], "results": sorted(results), "chart": chart.name if chart else None,
+               "scale": (results.get("daemon_scale") or {}).get("deployments")}
+    (args.folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\nwrote {args.folder / 'summary.json'}" + (f" and {chart}" if chart else " (no chart: matplotlib missing)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
