@@ -230,7 +230,7 @@ install_files() {
   put 0644 "$COMPLETION_SRC" "$COMPLETION_DIR/capyctl"
 
   local doc
-  for doc in "$SRC/README.md" "$SRC"/docs/*.md; do
+  for doc in "$SRC/README.md" "$SRC"/docs/*.md "$SRC"/docs/*.json "$SRC"/docs/*.yaml; do
     [ -f "$doc" ] && put 0644 "$doc" "$DOC_DIR/$(basename "$doc")"
   done
   mv "$(dest "$INSTALLED_LIST").new" "$(dest "$INSTALLED_LIST")"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 DEFAULT_STATE_DIR = "/var/lib/capyctl"
 DEFAULT_RUNTIME_DIR = "/run/capyctl"
@@ -66,6 +67,28 @@ class DaemonConfig:
     queue_total: int = 256
     # RAM kept free for the host itself when CPU deployments are budgeted.
     host_ram_reserve: int = 1 << 30
+    # Or, instead, the RAM CapyCTL may budget on each host (the rest is the reserve); None: unset.
+    host_ram_budget: int | None = None
+    # Idle-park for deployments whose manifest sets no idle_park_after; None: only to make room.
+    idle_park_after: float | None = None
+    log_level: str = "info"
+    # None: <state>/credentials/admin.token.
+    admin_token_file: Path | None = None
+    # Where the settings came from (capyctl/config_file.py), so a reload (SIGHUP) reads it again.
+    config_path: Path | None = None
+    config_required: bool = False
+    file: Any = None  # the ConfigFile last applied; None: built without a file (tests)
+    overrides: Any = None  # the flags and environment that win over the file
+
+    def ram_reserve_for(self, ram_total: int) -> int:
+        """RAM kept for a host with ``ram_total`` bytes: the budget's complement when one is set."""
+        if self.host_ram_budget is not None and ram_total:
+            return max(0, ram_total - self.host_ram_budget)
+        return self.host_ram_reserve
+
+    def dev_controls(self, host: str) -> bool:
+        """Whether ``host`` allows engine development controls (the file's hosts.<name>.dev_controls)."""
+        return True if self.file is None else self.file.dev_controls(host)
 
 
 def unit_name(deployment: str) -> str:
@@ -85,6 +108,12 @@ def engine_socket_runtime_directory(deployment: str) -> str:
 def engine_socket_path(deployment: str) -> str:
     # A name of at most 63 characters keeps this under the 108 bytes of sockaddr_un.sun_path.
     return f"/run/{engine_socket_runtime_directory(deployment)}/engine.sock"
+
+
+def engine_credentials_dir(unit: str) -> str:
+    """Where systemd puts a unit's credentials (LoadCredential=) for its processes: a directory
+    of its own, readable only by the unit's user (systemd.exec(5), "Credentials")."""
+    return f"/run/credentials/{unit}"
 
 
 def deployment_from_unit(unit: str) -> str | None:

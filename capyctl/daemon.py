@@ -26,7 +26,7 @@ from .api import build_api
 from .config import DaemonConfig
 from .controller import Controller
 from .errors import CapyError
-from .proxy import KeyGrant, build_app, listen_sockets_from_systemd, serve
+from .proxy import KeyGrant, build_app, listen_sockets_from_systemd, metrics_text, serve
 from .store import Store
 
 log = logging.getLogger("capyctl")
@@ -104,7 +104,9 @@ class Daemon:
         else:
             self._runners.append(await serve(proxy, host_port=self.config.listen))
         from .api import Credentials
-        api = build_api(self.controller, self.store, Credentials(paths.credentials_dir))
+        api = build_api(self.controller, self.store,
+                        Credentials(paths.credentials_dir, admin_token_path=self.config.admin_token_file),
+                        metrics_text=lambda: metrics_text(proxy))
         api_sock = sockets.get("api") or self._bind_api_socket(paths.api_socket)
         self._runners.append(await serve(api, sock=api_sock))
         log.info("serving OpenAI endpoint on %s and management API on %s",
@@ -128,6 +130,37 @@ class Daemon:
         sock.setblocking(False)
         return sock
 
+    def reload(self) -> dict:
+        """Read the configuration file again (SIGHUP, ``systemctl reload capyctl``) and apply what
+        can change live. A file that does not validate is refused whole: the daemon keeps running
+        with its old configuration. Answers what was applied and what needs a restart."""
+        from . import config_file
+        config = self.config
+        if config.config_path is None:
+            return {"reloaded": False, "applied": [], "restart_needed": [], "error": None}
+        try:
+            new = config_file.load_config(config.config_path, required=config.config_required)
+        except config_file.ConfigError as exc:
+            for line in str(exc).splitlines():
+                log.error("reload refused, keeping the running configuration: %s", line)
+            return {"reloaded": False, "applied": [], "restart_needed": [], "error": exc.to_dict()}
+        old = config.file or config_file.ConfigFile()
+        applied, restart = config_file.changes(old, new)
+        listen = config.listen
+        admin_token_file = config.admin_token_file
+        config_file.apply(config, new, config.overrides or config_file.Overrides())
+        # What the running daemon cannot change stays as it started until a restart.
+        config.listen, config.admin_token_file = listen, admin_token_file
+        config_file.set_log_level(config.log_level)
+        if self.controller is not None:
+            self.controller.reconfigured()
+        log.info("reloaded %s: %s", config.config_path,
+                 f"applied {', '.join(applied)}" if applied else "no live setting changed")
+        if restart:
+            log.warning("reload: %s changed in %s and takes effect at the next restart "
+                        "(systemctl restart capyctl.service)", ", ".join(restart), config.config_path)
+        return {"reloaded": True, "applied": applied, "restart_needed": restart, "error": None}
+
     async def stop(self) -> None:
         for runner in reversed(self._runners):
             await runner.cleanup()
@@ -145,6 +178,17 @@ async def _main(config: DaemonConfig, *, no_auth: bool, sockets: dict | None) ->
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+    def reload() -> None:
+        sd_notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            result = daemon.reload()
+        finally:
+            sd_notify("READY=1\nSTATUS=serving")
+        if result["error"]:
+            sd_notify("STATUS=serving; the last reload was refused: the configuration file is invalid "
+                      "(see the journal)")
+    loop.add_signal_handler(signal.SIGHUP, reload)
     await daemon.start(sockets)
     sd_notify("READY=1\nSTATUS=serving")
     try:
@@ -155,8 +199,8 @@ async def _main(config: DaemonConfig, *, no_auth: bool, sockets: dict | None) ->
         await daemon.stop()
 
 
-def _logging() -> None:
-    level = os.environ.get("CAPYCTL_LOG_LEVEL", "INFO").upper()
+def _logging(level: str = "info") -> None:
+    level = level.upper()
     # Under systemd, journald adds the time; in a terminal, show it.
     fmt = "%(levelname)s %(name)s: %(message)s" if os.environ.get("INVOCATION_ID") else \
         "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -164,7 +208,7 @@ def _logging() -> None:
 
 
 def _run(config: DaemonConfig, *, no_auth: bool) -> int:
-    _logging()
+    _logging(config.log_level)
     # Sockets passed by systemd (capyctl.socket, capyctl-api.socket) win over binding our own.
     sockets = listen_sockets_from_systemd()
     try:
@@ -175,13 +219,29 @@ def _run(config: DaemonConfig, *, no_auth: bool) -> int:
     return 0
 
 
-def run_standalone(*, listen: str | None = None, no_auth: bool = False, bus_address: str | None = None) -> int:
+def _configure(config_flag: str | None, *, listen: str | None = None,
+               bus_address: str | None = None) -> DaemonConfig | None:
+    """Flags, then the environment, then the configuration file, then the defaults."""
+    from . import config_file
+    path, required = config_file.config_path(config_flag)
+    try:
+        return config_file.build_config(path=path, required=required, bus_address=bus_address,
+                                        overrides=config_file.Overrides.from_env(listen=listen))
+    except config_file.ConfigError as exc:
+        _logging()
+        for line in str(exc).splitlines():
+            log.error("%s: %s", exc.code, line)
+        return None
+
+
+def run_standalone(*, listen: str | None = None, no_auth: bool = False, bus_address: str | None = None,
+                   config: str | None = None) -> int:
     """``capyctl start standalone``: binds HOST:PORT and the API socket itself unless systemd passed them."""
-    config = DaemonConfig(bus_address=bus_address)
-    config.listen = listen or os.environ.get("CAPYCTL_LISTEN") or config.listen
-    return _run(config, no_auth=no_auth)
+    settings = _configure(config, listen=listen, bus_address=bus_address)
+    return 1 if settings is None else _run(settings, no_auth=no_auth)
 
 
-def run_service(*, bus_address: str | None = None) -> int:
+def run_service(*, bus_address: str | None = None, config: str | None = None) -> int:
     """The system service: sockets come from capyctl.socket and capyctl-api.socket."""
-    return _run(DaemonConfig(bus_address=bus_address), no_auth=False)
+    settings = _configure(config, bus_address=bus_address)
+    return 1 if settings is None else _run(settings, no_auth=False)

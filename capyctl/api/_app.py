@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -22,6 +22,7 @@ from ..controller import Controller, UsageView
 from ..errors import CapyError, InvalidRequest
 from ..spec import DeploymentSpec, EngineSpec, ManifestError
 from ..store import Store
+from . import _dashboard
 from ._auth import ADMIN, ROLE, Credentials, authenticate, authorize
 from ._idempotency import HEADER as IDEMPOTENCY_KEY
 from ._idempotency import IdempotentOperations
@@ -33,6 +34,8 @@ STORE = web.AppKey("store", Store)
 CREDENTIALS = web.AppKey("credentials", Credentials)
 OPERATIONS = web.AppKey("operations", IdempotentOperations)
 USAGE = web.AppKey("usage", UsageView)
+# The proxy's Prometheus text, for the dashboard's request rates (the daemon wires it).
+METRICS_TEXT = web.AppKey("metrics_text", Callable[[], str | bytes])
 
 
 def _error(exc: CapyError | ManifestError) -> web.Response:
@@ -62,6 +65,8 @@ async def _errors(request: web.Request, handler):
 @web.middleware
 async def _authenticated(request: web.Request, handler):
     credentials = request.app.get(CREDENTIALS)
+    if _dashboard.is_public(request.path):
+        return await handler(request)  # static files and the description: no data, no action
     if credentials is None:
         request[ROLE] = ADMIN  # built without credentials (tests): the socket alone guards, as before roles
     else:
@@ -109,6 +114,10 @@ async def list_deployments(request: web.Request) -> web.Response:
 async def get_deployment(request: web.Request) -> web.Response:
     ctl = request.app[CONTROLLER]
     return web.json_response(await ctl.describe(request.match_info["name"]))
+
+
+async def inspect_deployment(request: web.Request) -> web.Response:
+    return web.json_response(await request.app[CONTROLLER].inspect(request.match_info["name"]))
 
 
 async def create_deployment(request: web.Request) -> web.StreamResponse:
@@ -221,6 +230,16 @@ async def add_engine(request: web.Request) -> web.Response:
     return web.json_response(_engine_json(spec), status=201)
 
 
+async def get_engine(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    engine = request.app[STORE].get_engine(name)
+    if engine is None:
+        raise CapyError(f"no engine named {name!r}", code="engine_not_found", status=404)
+    ctl = request.app[CONTROLLER]
+    users = sorted(a.name for a in ctl.actors.values() if a.spec.engine == name)
+    return web.json_response(_engine_json(engine) | {"deployments": users})
+
+
 async def remove_engine(request: web.Request) -> web.Response:
     request.app[STORE].remove_engine(request.match_info["name"])
     return web.json_response({"name": request.match_info["name"], "removed": True})
@@ -288,6 +307,10 @@ async def add_host(request: web.Request) -> web.Response:
         if value is not None and not isinstance(value, str):
             raise InvalidRequest(f"{key} must be a path", code="invalid_path")
         options[key] = value
+    unified = body.get("unified_memory")
+    if unified is not None and not isinstance(unified, bool):
+        raise InvalidRequest(f"unified_memory must be true or false, not {unified!r}", code="invalid_unified_memory")
+    options["unified_memory"] = unified
     row = await request.app[CONTROLLER].add_host(name, target, port=port, **options)
     return web.json_response(row, status=201)
 
@@ -303,26 +326,30 @@ async def check_host(request: web.Request) -> web.Response:
 
 
 async def drain_host(request: web.Request) -> web.Response:
-    """Park every deployment that runs on the host, one after the other. New requests may
-    still wake a deployment there: this empties a host, it does not close it to placement."""
+    """Cordon the host (no new placement lands there, kept across restarts), then park each
+    deployment placed there out of place, or move it to another host it may run on."""
     ctl = request.app[CONTROLLER]
     name = request.match_info["name"]
     ctl.hosts.get(name)  # an unknown host is a 404
 
     async def act() -> dict:
-        results = []
-        for deployment in ctl.describe_host(name)["deployments"]:  # those running or parked in place there
-            actor = ctl.get(deployment)
-            if actor.state == "parked":
-                continue  # parked in place already: parking again frees nothing more
-            try:
-                results.append((await ctl.park(actor.name)).describe() | {"error": None})
-            except CapyError as exc:
-                results.append(actor.describe() | {"error": exc.to_dict()})
-        return {"host": name, "deployments": results,
-                "drained": all(r["error"] is None for r in results)}
+        return await ctl.drain(name)
     task, _ = await _once(request, act)
     return web.json_response(await asyncio.shield(task))
+
+
+async def uncordon_host(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    opened = request.app[CONTROLLER].uncordon(name)
+    return web.json_response({"host": name, "cordoned": False, "was_cordoned": opened})
+
+
+async def inspect_host(request: web.Request) -> web.Response:
+    ctl = request.app[CONTROLLER]
+    name = request.match_info["name"]
+    if name == "local":
+        await _local_host_row(ctl)  # measures the inventory now
+    return web.json_response(ctl.inspect_host(name))
 
 
 # -- usage and the operator key -----------------------------------------------------------------------
@@ -348,8 +375,20 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-def build_api(controller: Controller, store: Store, credentials: Credentials | None = None) -> web.Application:
-    """``credentials`` None serves every request as admin (tests over TCP); the daemon passes them."""
+async def events(request: web.Request) -> web.StreamResponse:
+    return await _dashboard.event_stream(request, controller=request.app[CONTROLLER], usage=request.app[USAGE],
+                                         exposition=request.app.get(METRICS_TEXT))
+
+
+async def openapi(request: web.Request) -> web.Response:
+    from ._openapi import management_openapi
+    return web.json_response(management_openapi())
+
+
+def build_api(controller: Controller, store: Store, credentials: Credentials | None = None, *,
+              metrics_text: Callable[[], str | bytes] | None = None) -> web.Application:
+    """``credentials`` None serves every request as admin (tests over TCP); the daemon passes them.
+    ``metrics_text`` renders the proxy's Prometheus text, which the dashboard reads request rates from."""
     app = web.Application(middlewares=[_errors, _authenticated], client_max_size=4 << 20)
     app[CONTROLLER] = controller
     app[STORE] = store
@@ -357,7 +396,14 @@ def build_api(controller: Controller, store: Store, credentials: Credentials | N
         app[CREDENTIALS] = credentials
     app[OPERATIONS] = IdempotentOperations()
     app[USAGE] = UsageView(controller)
+    if metrics_text is not None:
+        app[METRICS_TEXT] = metrics_text
     r = app.router
+    r.add_get("/openapi.json", openapi)
+    r.add_get("/ui", _dashboard.ui_redirect)
+    r.add_get("/ui/", _dashboard.ui_file)
+    r.add_get("/ui/{file}", _dashboard.ui_file)
+    r.add_get("/v1/events", events)
     r.add_get("/v1/health", health)
     r.add_get("/v1/deployments", list_deployments)
     r.add_post("/v1/deployments", create_deployment)
@@ -366,8 +412,10 @@ def build_api(controller: Controller, store: Store, credentials: Credentials | N
     for verb in ("park", "wake", "stop"):
         r.add_post(f"/v1/deployments/{{name}}/{verb}", _action(verb))
     r.add_get("/v1/deployments/{name}/logs", deployment_logs)
+    r.add_get("/v1/deployments/{name}/inspect", inspect_deployment)
     r.add_get("/v1/engines", list_engines)
     r.add_post("/v1/engines", add_engine)
+    r.add_get("/v1/engines/{name}", get_engine)
     r.add_delete("/v1/engines/{name}", remove_engine)
     r.add_get("/v1/keys", list_keys)
     r.add_post("/v1/keys", create_key)
@@ -378,6 +426,8 @@ def build_api(controller: Controller, store: Store, credentials: Credentials | N
     r.add_delete("/v1/hosts/{name}", remove_host)
     r.add_post("/v1/hosts/{name}/check", check_host)
     r.add_post("/v1/hosts/{name}/drain", drain_host)
+    r.add_post("/v1/hosts/{name}/uncordon", uncordon_host)
+    r.add_get("/v1/hosts/{name}/inspect", inspect_host)
     r.add_get("/v1/usage", usage)
     r.add_get("/v1/whoami", whoami)
     r.add_post("/v1/operator-key/rotate", rotate_operator_key)

@@ -48,6 +48,7 @@ OPERATOR_WRITES = frozenset({
     ("POST", "/v1/deployments/{name}/wake"),
     ("POST", "/v1/deployments/{name}/stop"),
     ("POST", "/v1/hosts/{name}/drain"),
+    ("POST", "/v1/hosts/{name}/uncordon"),  # undoes what drain did
     ("POST", "/v1/hosts/{name}/check"),  # a probe: reads the host, changes nothing
 })
 
@@ -88,9 +89,10 @@ def read_secret_file(path: Path) -> str:
 class Credentials:
     """The admin token's and the operator key's digests, loaded from (or created in) ``directory``."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, admin_token_path: Path | None = None) -> None:
         self.directory = directory
-        self.admin_token_path = directory / "admin.token"
+        # The configuration file's admin_token_file moves it (its directory must exist).
+        self.admin_token_path = admin_token_path or directory / "admin.token"
         self.operator_key_path = directory / "operator.key"
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(directory, 0o700)

@@ -39,19 +39,27 @@ examples:
   capyctl park deployment smollm2
   capyctl logs deployment smollm2 -f
   capyctl usage
+  capyctl inspect deployment smollm2
+  capyctl drain host gpu-2 && capyctl uncordon host gpu-2
 
 environment:
   CAPYCTL_STATE_DIR    state directory (default /var/lib/capyctl)
   CAPYCTL_RUNTIME_DIR  runtime directory holding api.sock (default /run/capyctl)
   CAPYCTL_API_SOCKET   management socket to talk to (default $CAPYCTL_RUNTIME_DIR/api.sock)
+  CAPYCTL_CONFIG       the daemon's configuration file (default /etc/capyctl/config.yaml)
 
 files:
+  /etc/capyctl/config.yaml    the daemon's settings (capyctl validate config; systemctl reload capyctl)
   /etc/systemd/system/capyctl.{service,socket}, capyctl-api.socket, capyctl.slice
   /var/lib/capyctl/state.db   engines, deployments and revisions, API keys, hosts
 
 exit status: 0 success, 1 the operation failed, 2 bad usage or an invalid manifest.
 see also: systemctl status 'capyctl-*', journalctl -u capyctl-<deployment>
 """
+
+
+CONFIG_HELP = ("configuration file (default: $CAPYCTL_CONFIG, else /etc/capyctl/config.yaml if it exists); "
+               "flags and CAPYCTL_* variables win over it")
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -77,7 +85,33 @@ def _engine_names(prefix, parsed_args, **_):
 
 # -- commands that need no daemon ------------------------------------------------------------
 
+def cmd_validate_config(args) -> int:
+    from ..config_file import ConfigError, config_path, load_config
+    path, _ = config_path(args.path)
+    try:
+        config = load_config(path, required=True)
+    except ConfigError as exc:
+        if args.json:
+            print_json(exc.to_dict() | {"file": str(path), "valid": False})
+        else:
+            print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print_json({"file": str(path), "valid": True, "config": config.model_dump(mode="json")})
+    else:
+        print(f"{path}: valid configuration")
+    return 0
+
+
 def cmd_validate(args) -> int:
+    if args.what == "config":
+        if args.file:
+            error("give the configuration file as PATH, not --file")
+            return EXIT_USAGE
+        return cmd_validate_config(args)
+    if args.path or not args.file:
+        error("give manifests with --file FILE, or check the daemon's configuration with 'validate config [PATH]'")
+        return EXIT_USAGE
     status = 0
     results = []
     for path in args.file:
@@ -100,18 +134,25 @@ def cmd_validate(args) -> int:
 
 def cmd_start(args) -> int:
     from ..daemon import run_standalone
-    return run_standalone(listen=args.listen, no_auth=args.no_auth, bus_address=args.bus_address)
+    return run_standalone(listen=args.listen, no_auth=args.no_auth, bus_address=args.bus_address,
+                          config=args.config)
 
 
 def cmd_daemon(args) -> int:
     from ..daemon import run_service
-    return run_service(bus_address=args.bus_address)
+    return run_service(bus_address=args.bus_address, config=args.config)
 
 
 # -- deployments -----------------------------------------------------------------------------
 
+def _ready(d: dict) -> str:
+    """READY as ready/desired members: 1/1, 0/1 (parked), 0/2 (a multi-node group not serving)."""
+    members = d.get("members") or {"ready": 1 if d["state"] == "ready" else 0, "desired": 1}
+    return f"{members['ready']}/{members['desired']}"
+
+
 def _row(d: dict) -> list:
-    return [d["name"], d["state"], "yes" if d["state"] == "ready" else "no", d["revision"],
+    return [d["name"], d["state"], _ready(d), d["revision"],
             ",".join(d.get("hosts") or []) or "local", d.get("engine"),
             d.get("reason") or ""]
 
@@ -196,6 +237,8 @@ def cmd_host_add(args) -> int:
     body = {"name": args.name, "ssh": args.ssh, "port": args.port,
             "identity": str(Path(args.identity).resolve()) if args.identity else None,
             "known_hosts": str(Path(args.known_hosts).resolve()) if args.known_hosts else None}
+    if args.unified_memory is not None:
+        body["unified_memory"] = args.unified_memory == "yes"
     h = ApiClient(args.api_socket, timeout=120).request("POST", "/v1/hosts", body)
     print_json(h) if args.json else print(f"host {h['name']}: {h['state']} ({h.get('hostname') or args.ssh})")
     return 0
@@ -246,11 +289,36 @@ def cmd_status(args) -> int:
     print(f"Requests: {d.get('in_flight', 0)} in flight, {d.get('waiting', 0)} waiting")
     if d.get("last_used"):
         print(f"Last use: {human_age(now - d['last_used'])} ago")
+    for line in park_lines(d):
+        print(line)
     if d.get("journal"):
         print("\nLast journal lines:")
         for line in d["journal"]:
             print(f"  {line}")
     return 0
+
+
+def park_lines(d: dict) -> list[str]:
+    """The park tier, the latest park record and the parsers of ``capyctl status``."""
+    lines = []
+    record = d.get("park_record") or {}
+    if d.get("park_tier"):
+        lines.append(f"    Park: tier {d['park_tier']}" + (f"; in-place park off: {record['in_place_disabled']}"
+                                                           if record.get("in_place_disabled") else ""))
+    if record.get("parked_at"):
+        retained = sum((record.get("retained") or {}).values())
+        lines.append(f"          last park reached {record.get('tier')}" + (
+            f", still holding {human_bytes(retained)} (kept charged)" if retained else ", memory released"))
+    proof = record.get("proof") or {}
+    if record.get("wake_seconds") is not None:
+        lines.append(f"          last wake {record['wake_seconds']:.2f}s, proof {proof.get('result', 'none')}"
+                     + (f" ({proof['reason']})" if proof.get("reason") else ""))
+    parsers = d.get("parsers")
+    if parsers:
+        for what, key in (("tool calls", "tool_call_parser"), ("reasoning", "reasoning_parser")):
+            lines.append(f" Parsers: {what}: {parsers.get(key) or 'none'} ({parsers.get(key + '_source')}"
+                         + (f", model_type {parsers['model_type']}" if parsers.get("model_type") else "") + ")")
+    return lines
 
 
 def _action(verb: str):
@@ -328,6 +396,12 @@ def cmd_usage(args) -> int:
         for line in reasons:
             print(f"  {line}")
     return 0
+
+
+def cmd_ui(args) -> int:
+    from ._client import default_socket
+    from ._ui import run
+    return run(args.api_socket or default_socket(), args.port, args.open)
 
 
 def cmd_mcp(args) -> int:
@@ -409,6 +483,83 @@ def cmd_key_revoke(args) -> int:
     return 0
 
 
+# -- inspect, drain, uncordon, engine detect ------------------------------------------------------
+
+def _print_fields(data: dict, indent: str = "") -> None:
+    """Nested JSON as indented "key: value" lines, for people (--json gives the JSON itself)."""
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            print(f"{indent}{key}:")
+            _print_fields(value, indent + "  ")
+        elif isinstance(value, list) and value and any(isinstance(v, (dict, list)) for v in value):
+            print(f"{indent}{key}:")
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    print(f"{indent}  - [{i}]")
+                    _print_fields(item, indent + "      ")
+                else:
+                    print(f"{indent}  - {item}")
+        elif isinstance(value, list):
+            print(f"{indent}{key}: {', '.join(map(str, value)) if value else '-'}")
+        else:
+            print(f"{indent}{key}: {'-' if value is None or value == {} else value}")
+
+
+def cmd_inspect(args) -> int:
+    client = ApiClient(args.api_socket, timeout=60)
+    path = {"deployment": f"/v1/deployments/{args.name}/inspect", "engine": f"/v1/engines/{args.name}",
+            "host": f"/v1/hosts/{args.name}/inspect"}[args.resource]
+    data = client.request("GET", path)
+    if args.json:
+        print_json(data)
+    else:
+        _print_fields(data)
+    return 0
+
+
+def cmd_drain(args) -> int:
+    r = ApiClient(args.api_socket, timeout=None).request("POST", f"/v1/hosts/{args.name}/drain")
+    if args.json:
+        print_json(r)
+        return 0 if r["drained"] else EXIT_ERROR
+    print(f"host {args.name} cordoned: no new deployment is placed there ('capyctl uncordon host {args.name}' "
+          "undoes it)")
+    for d in r["deployments"]:
+        if d["error"]:
+            error(f"deployment {d['name']}: {d['error']['message']} ({d['error']['code']})")
+        else:
+            print(f"deployment {d['name']}: {d['action']}" + (f" to {d['host']}" if d["action"] == "moved" else ""))
+    return 0 if r["drained"] else EXIT_ERROR
+
+
+def cmd_uncordon(args) -> int:
+    r = ApiClient(args.api_socket).request("POST", f"/v1/hosts/{args.name}/uncordon")
+    if args.json:
+        print_json(r)
+    else:
+        print(f"host {args.name} takes placements again" if r["was_cordoned"]
+              else f"host {args.name} was not cordoned")
+    return 0
+
+
+def cmd_engine_detect(args) -> int:
+    import asyncio
+    from ..engines import find_engines
+    from ..engines._detect import DETECT_ROOTS
+    roots = [str(Path(p).resolve()) for p in args.path] if args.path else None
+    found = asyncio.run(find_engines(roots, search_path=not args.path))
+    if args.json:
+        print_json([e.model_dump(mode="json") for e in found])
+        return 0
+    if not found:
+        where = ", ".join(roots or ["$PATH", *DETECT_ROOTS])
+        print(f"no engine install found under {where}", file=sys.stderr)
+        return 0
+    print_table(["TYPE", "VERSION", "PATH", "REGISTER WITH"],
+                [[e.type, e.version, e.path, f"capyctl engine add {e.path}"] for e in found])
+    return 0
+
+
 # -- the parser ------------------------------------------------------------------------------
 
 def _common(p: argparse.ArgumentParser, json_flag: bool = True) -> None:
@@ -428,10 +579,16 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, help: str, description: str | None = None, **kw) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=description or help, formatter_class=_Formatter, **kw)
 
-    p = add("validate", "check manifests without deploying them",
-            "Validate deployment or engine manifests. Each problem is printed as FILE:LINE: FIELD: message;\n"
-            "the exit status is 2 if any manifest is invalid.")
-    p.add_argument("--file", "-f", action="append", required=True, metavar="FILE",
+    p = add("validate", "check manifests, or the daemon's configuration file, without using them",
+            "capyctl validate --file FILE...: validate deployment or engine manifests.\n"
+            "capyctl validate config [PATH]: validate the daemon's configuration file (default:\n"
+            "$CAPYCTL_CONFIG, else /etc/capyctl/config.yaml), as the daemon and 'systemctl reload\n"
+            "capyctl' read it. Each problem is printed as FILE:LINE: FIELD: message; the exit status\n"
+            "is 2 if anything is invalid.")
+    p.add_argument("what", nargs="?", choices=["config"], help="config: the daemon's configuration file")
+    p.add_argument("path", nargs="?", metavar="PATH", help="with config: the file to check").completer = \
+        argcomplete.FilesCompleter(("yaml", "yml"))
+    p.add_argument("--file", "-f", action="append", metavar="FILE",
                    help="manifest to check (repeatable)").completer = argcomplete.FilesCompleter(("yaml", "yml"))
     _common(p)
     p.set_defaults(func=cmd_validate)
@@ -443,10 +600,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default=None, metavar="HOST:PORT", help="OpenAI endpoint (default 127.0.0.1:8000)")
     p.add_argument("--no-auth", action="store_true", help="serve the OpenAI endpoint without API keys (development only)")
     p.add_argument("--bus-address", metavar="ADDRESS", help="D-Bus address of the systemd to drive (default: system bus)")
+    p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     p.set_defaults(func=cmd_start)
 
-    p = add("daemon", "the system service's entry point (socket-activated by capyctl.socket)")
+    p = add("daemon", "the system service's entry point (socket-activated by capyctl.socket)",
+            "The packaged service's entry point: listens on the sockets systemd passes (capyctl.socket,\n"
+            "capyctl-api.socket) and reads its configuration file; SIGHUP (systemctl reload capyctl)\n"
+            "reads the file again and applies what can change live.")
     p.add_argument("--bus-address", metavar="ADDRESS", help=argparse.SUPPRESS)
+    p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     p.set_defaults(func=cmd_daemon)
 
     p = add("deploy", "deploy a model from a manifest",
@@ -477,6 +639,36 @@ def build_parser() -> argparse.ArgumentParser:
         _common(p)
         p.set_defaults(func=func)
 
+    p = add("inspect", "everything known about a deployment, an engine or a host",
+            "inspect deployment NAME: state, manifest, revisions, the last launch record, the cards it\n"
+            "  was planned on, its idle-park setting and its host's settings.\n"
+            "inspect engine NAME: the registered engine (type, path, version) and the deployments using it.\n"
+            "inspect host NAME: state, inventory (GPUs, RAM, CPUs), whether it is cordoned, whether it\n"
+            "  allows engine development controls, and the deployments on it ('local' is this host).")
+    p.add_argument("resource", choices=["deployment", "engine", "host"])
+    p.add_argument("name", help="its name")
+    _common(p)
+    p.set_defaults(func=cmd_inspect)
+
+    p = add("drain", "close a host to new deployments and park or move those on it",
+            "Cordon the host (kept across daemon restarts): no deployment is placed or woken there.\n"
+            "Then each deployment on it is parked out of place, releasing its memory there; one that\n"
+            "was serving and may run on another host (its manifest's hosts) is woken there instead.\n"
+            "A deployment that may only run on a drained host answers 503 host_cordoned until\n"
+            "'capyctl uncordon host NAME'. Exit status 1 if a deployment could not be parked.")
+    p.add_argument("resource", choices=["host"])
+    p.add_argument("name", help="host name ('local' is this host)")
+    _common(p)
+    p.set_defaults(func=cmd_drain)
+
+    p = add("uncordon", "open a drained host to deployments again",
+            "Undo 'capyctl drain host NAME': deployments may be placed and woken there again. Parked\n"
+            "deployments stay parked until a request wakes them.")
+    p.add_argument("resource", choices=["host"])
+    p.add_argument("name", help="host name")
+    _common(p)
+    p.set_defaults(func=cmd_uncordon)
+
     p = add("usage", "how full each GPU and the host RAM are, and what each deployment holds",
             "Per memory domain (each GPU, each host's RAM): its capacity, the available memory measured\n"
             "now (NVML, /proc/meminfo), what CapyCTL has reserved for deployments and what is left\n"
@@ -486,6 +678,16 @@ def build_parser() -> argparse.ArgumentParser:
             "--json gives the same view as GET /v1/usage and the MCP usage tool.")
     _common(p)
     p.set_defaults(func=cmd_usage)
+
+    p = add("ui", "open the dashboard: a loopback port forwarded to the management socket",
+            "Serve the dashboard (deployments, memory per GPU and host RAM, request rates, journals,\n"
+            "park/wake/stop) on http://127.0.0.1:PORT/ui/, forwarded to the management socket, and print\n"
+            "its URL. The URL carries a session secret in its fragment: anyone holding it is admin\n"
+            "while this runs. Requests without it, from another Host or another Origin are refused.\n"
+            "Runs until Ctrl-C. Over SSH: ssh -L PORT:127.0.0.1:PORT host capyctl ui --port PORT")
+    p.add_argument("--port", type=int, default=0, metavar="PORT", help="loopback port (default: any free one)")
+    p.add_argument("--open", action="store_true", help="open the URL in this machine's browser")
+    p.set_defaults(func=cmd_ui)
 
     p = add("mcp", "serve the MCP server for AI agents, or rotate its operator key",
             "capyctl mcp [serve]: a Model Context Protocol server (streamable HTTP at /mcp) whose tools\n"
@@ -528,6 +730,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file", metavar="FILE", help="engine manifest (kind: engine) instead of PATH")
     _common(p)
     p.set_defaults(func=cmd_engine_add)
+    p = esub.add_parser("detect", help="find engine installs on this host (needs no daemon)",
+                        description="Look for llama-server binaries ($PATH, and DIR, DIR/*, DIR/*/* under each\n"
+                                    "root, bin/ and build/bin/ included) and virtual environments with vllm,\n"
+                                    "sglang or tensorfold installed, and print each with its version. Nothing is\n"
+                                    "registered: 'capyctl engine add PATH' does that. Default roots: /opt,\n"
+                                    "/usr/local, /srv, /var/lib/capyctl/engines, /var/cache/capyctl-build.",
+                        formatter_class=_Formatter)
+    p.add_argument("path", nargs="*", metavar="DIR", help="search these directories instead of the defaults")
+    _common(p)
+    p.set_defaults(func=cmd_engine_detect)
     p = esub.add_parser("list", help="list registered engines")
     _common(p)
     p.set_defaults(func=cmd_engine_list)
@@ -547,6 +759,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="SSH port (default: ssh's own)")
     p.add_argument("--identity", metavar="FILE", help="private key to log in with")
     p.add_argument("--known-hosts", metavar="FILE", help="known_hosts file holding the host's key")
+    p.add_argument("--unified-memory", choices=["yes", "no"],
+                   help="whether the host's GPU and host memory are one pool (a park keeping weights in host RAM "
+                        "frees nothing there). Known GPUs decide it; asked when they do not (GH200, GB200)")
     _common(p)
     p.set_defaults(func=cmd_host_add)
     p = hsub.add_parser("list", help="list hosts: state, GPUs, memory, engines")

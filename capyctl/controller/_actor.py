@@ -14,16 +14,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..config import engine_socket_path, engine_socket_runtime_directory, unit_name
+from ..config import engine_credentials_dir, engine_socket_path, engine_socket_runtime_directory, unit_name
 from ..errors import CapyError, QueueFull, Unavailable
 from ..proxy.connector import socket_base_url
 from ..proxy.router import Upstream
-from ..spec import DeploymentSpec
+from ..engines._tiers import RESTART, TIER_SLEEP_LEVEL
+from ..spec import DeploymentSpec, PathModel
 from ..store import Revision
 from ._group import FAILED as GROUP_FAILED
 from ._group import PARKED as GROUP_PARKED
+from ._confine import engine_location
 from ._group import ModelGroup
 from ._keys import new_engine_key
+from ._parking import (MAX_PROOF_FAILURES, generate_proof, proof_mismatch, rounded)
+from ._parking import new_record as new_park_record
+from ._parking import now as wall_clock
 from ._liveness import Liveness, hung_stop_grace
 from ._members import UnitMembers, group_members
 from ._memory import gpu_order_environment
@@ -89,7 +94,12 @@ class DeploymentActor:
         self.model_path: str | None = None
         self.model_commit: str | None = revision.model_commit
         self.parked_in_place = False
-        self.capabilities: frozenset[str] = frozenset()
+        # The park record (tier reached, wake seconds, proof after wake, the proof's reference),
+        # kept in the store across daemon restarts (_parking.py).
+        self.park_record: dict[str, Any] = controller.load_park_record(self.name) or new_park_record(RESTART)
+        # Known from the spec before any launch, so the proxy refuses a route the engine lacks
+        # without waking the model; every launch refines it with the model's resolved path.
+        self.capabilities: frozenset[str] = self.spec_capabilities()
         self.served_model: str | None = None
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._wake_future: asyncio.Future | None = None
@@ -151,6 +161,46 @@ class DeploymentActor:
     def _verdict_of(self, launch: str | None) -> Callable[[], CapyError | None]:
         return lambda: self.liveness.verdict(launch)
 
+    def spec_capabilities(self) -> frozenset[str]:
+        """What the adapter declares from the spec alone: the model's path when the manifest names
+        one on this host (a Hub model has none until it is downloaded); empty while the engine
+        is not registered (the deployment cannot start then either)."""
+        model_path = self.spec.model.path if isinstance(self.spec.model, PathModel) else None
+        try:
+            engine = self.controller.engine_for(self.spec)
+            adapter = self.controller.adapter(self.spec)
+        except CapyError:
+            return frozenset()
+        return adapter.capabilities(engine, deployment=self.spec, model_path=model_path)
+
+    @property
+    def park_tier(self) -> str:
+        """The tier this deployment parks at on its host (engines/_tiers.py); ``restart`` once
+        repeated failed proofs turned its in-place park off."""
+        from ..engines._tiers import resolve_park_tier
+        if self.park_record.get("in_place_disabled"):
+            return RESTART
+        try:
+            adapter = self.controller.adapter(self.spec)
+        except CapyError:
+            return RESTART
+        return resolve_park_tier(adapter, self.spec, unified_memory=self.controller.unified_memory(self.host))
+
+    def parsers(self) -> dict | None:
+        """The tool-call and reasoning parsers its launch renders, and why (vLLM, SGLang)."""
+        try:
+            choice = self.controller.adapter(self.spec).parsers(self.spec, self.model_path or self._spec_model_path())
+        except CapyError:
+            return None
+        return choice.to_dict() if choice is not None else None
+
+    def _spec_model_path(self) -> str | None:
+        return self.spec.model.path if isinstance(self.spec.model, PathModel) else None
+
+    def _save_park_record(self, **changes: Any) -> None:
+        self.park_record = {**self.park_record, **changes}
+        self.controller.save_park_record(self.name, self.park_record)
+
     def engine_socket(self) -> str | None:
         """The unix socket this daemon reaches the engine on (local: the engine's own; remote: the forward)."""
         return self.local_socket if self.remote else self.socket_path
@@ -168,7 +218,7 @@ class DeploymentActor:
             raise Unavailable(f"deployment {self.name!r} failed: {self.reason}; it is retried after "
                               f"{self._backoff():.0f}s", code="deployment_failed",
                               retry_after=self._backoff() - (time.monotonic() - self.failed_at))
-        if self.waiting >= self.spec.queue:
+        if self.waiting >= min(self.spec.queue, self.controller.queue_per_deployment):
             raise QueueFull(f"deployment {self.name!r} has {self.waiting} requests waiting, its limit",
                             retry_after=self._retry_after())
         if self.controller.total_waiting() >= self.controller.queue_total:
@@ -273,6 +323,8 @@ class DeploymentActor:
         if self.spec.nodes > 1:
             return await self._wake_group(progress)
         started = time.monotonic()
+        # A wake from a park is proven against what the model generated before it; a start records that.
+        woken_from_park = self.state == PARKED
         try:
             await self.controller.make_room(self, progress)
             if self.state == PARKED and self.parked_in_place and await self._unit_active():
@@ -280,13 +332,16 @@ class DeploymentActor:
                 progress("waking the engine in place")
                 adapter = self.controller.adapter(self.spec)
                 await asyncio.wait_for(
-                    adapter.wake(self.controller.http, self.upstream().base_url, self.key, self.spec.park_level),
+                    adapter.wake(self.controller.http, self.upstream().base_url, self.key,
+                                 TIER_SLEEP_LEVEL.get(self.park_record.get("tier") or "", 1),
+                                 model_path=self.model_path),
                     timeout=self.spec.timeouts.wake)
                 self.parked_in_place = False
             else:
                 self._set(STARTING if self.state in (STOPPED, FAILED) else WAKING)
                 await self._launch(progress)
             await self._wait_healthy(progress, self.spec.timeouts.start)
+            await self._prove(progress, woken_from_park, time.monotonic() - started)
         except asyncio.TimeoutError:
             await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
             raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
@@ -299,6 +354,66 @@ class DeploymentActor:
         self._set(READY)
         progress(f"ready in {time.monotonic() - started:.1f}s")
         return self.state
+
+    def _reference_key(self) -> str:
+        """What a proof's reference is valid for: the same revision, model files and engine."""
+        return f"{self.revision.revision}:{self.model_path}:{self.model_commit}"
+
+    async def _generate_proof(self) -> str:
+        return await asyncio.wait_for(
+            generate_proof(self.controller.http, self.upstream().base_url, self.key,
+                           self.served_model or self.name, self.capabilities),
+            timeout=self.spec.timeouts.wake)
+
+    async def _prove(self, progress: Progress, woken_from_park: bool, wake_seconds: float) -> None:
+        """At a start, record what the model generates for the proof prompt (once per revision and
+        model); after a wake, generate it again and compare. A failed proof restarts the engine
+        cleanly (a cold start is the floor, and its generation becomes the reference); after
+        MAX_PROOF_FAILURES in a row the in-place park is turned off, with the reason."""
+        reference = self.park_record.get("reference")
+        valid = isinstance(reference, dict) and reference.get("key") == self._reference_key()
+        if not woken_from_park and valid:
+            return
+        try:
+            text = await self._generate_proof()
+        except (CapyError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, CapyError) and exc.code == "proof_unavailable":
+                if woken_from_park:
+                    self._record_wake(wake_seconds, {"result": "skipped", "reason": exc.message})
+                return
+            if not woken_from_park:
+                raise CapyError(f"the engine could not generate the proof's reference: {exc}",
+                                code="proof_failed") from None
+            failure = f"the proof's generation failed: {exc or 'timed out'}"
+        else:
+            if not valid or not woken_from_park:
+                self._save_park_record(reference={"key": self._reference_key(), "prompt_tokens": None, "text": text})
+                if woken_from_park:
+                    self._record_wake(wake_seconds, {"result": "recorded", "reason": "no reference for this revision "
+                                                     "and model yet: recorded this generation as it"})
+                return
+            if text == reference["text"]:
+                self._record_wake(wake_seconds, {"result": "passed"}, proof_failures=0)
+                return
+            failure = proof_mismatch(reference["text"], text)
+        failures = int(self.park_record.get("proof_failures") or 0) + 1
+        disabled = self.park_record.get("in_place_disabled")
+        if failures >= MAX_PROOF_FAILURES and disabled is None and self.park_record.get("parked_in_place"):
+            disabled = (f"{failures} wakes in a row failed their proof (the last: {failure}); "
+                        "parking stops the unit until the deployment is redeployed")
+        self._record_wake(wake_seconds, {"result": "failed", "reason": failure}, proof_failures=failures,
+                          in_place_disabled=disabled)
+        log.warning("deployment %s: the wake failed its proof (%s); restarting the engine", self.name, failure)
+        progress("the wake failed its proof; restarting the engine")
+        await self._stop_unit()
+        await self._launch(progress)
+        await self._wait_healthy(progress, self.spec.timeouts.start)
+        text = await self._generate_proof()
+        self._save_park_record(reference={"key": self._reference_key(), "prompt_tokens": None, "text": text})
+
+    def _record_wake(self, wake_seconds: float, proof: dict, **changes: Any) -> None:
+        self._save_park_record(wake_seconds=rounded(wake_seconds), woken_at=wall_clock(),
+                               proof={**proof, "at": wall_clock()}, **changes)
 
     async def _unit_active(self) -> bool:
         state = await self.systemd.unit_state(self.unit)
@@ -329,23 +444,32 @@ class DeploymentActor:
         ctx = LaunchContext(deployment=self.spec, engine=engine, model_path=resolved.path, port=self.port,
                             gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(self.spec, self.host),
                             socket_path=socket_path, gpu_memory_fraction=gpu_fraction,
-                            gpu_memory_budget=gpu_budget, secret_dir=ctl.secret_dir)
+                            gpu_memory_budget=gpu_budget, secret_dir=engine_credentials_dir(self.unit),
+                            dev_controls=ctl.dev_controls(self.host),
+                            unified_memory=ctl.unified_memory(self.host))
         plan = adapter.build_launch(ctx)
         self.socket_path = plan.socket_path
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=resolved.path)
         self.served_model = plan.served_model
-        env_file = await ctl.write_secret_env_on(self.host, self.name, plan.secret_file_environment(self.key))
-        await ctl.write_secret_files_on(self.host, plan.secret_file_contents(self.key))
+        # The key and SGLang's config file become systemd credentials of the unit: no environment
+        # file, property or argv holds them, and only the unit's own user can read them.
+        credentials, encrypted = await ctl.launch_credentials_on(self.host, self.name, self.key,
+                                                                 plan.secret_file_contents(self.key))
         self.secret_files = sorted(plan.secret_files)
-        environment = {**plan.environment, **gpu_order_environment(gpu_indices), **self.spec.env}
+        devices = ctl.gpu_device_nodes(self.host, gpu_indices)
+        confined = await ctl.engine_confinement(self.host, self.name, engine_location(engine), resolved.path, devices)
+        environment = {**confined.environment, **plan.environment, **gpu_order_environment(gpu_indices),
+                       **self.spec.env}
         unit = TransientUnit(
             name=self.unit,
             description=f"CapyCTL deployment {self.name} (rev {self.revision.revision}, {engine.type})",
-            argv=plan.argv, environment=environment, environment_file=str(env_file),
+            argv=plan.argv, environment=environment,
+            credentials=credentials, encrypted_credentials=encrypted,
+            credential_environment=plan.credential_environment(), **confined.unit_fields(),
             working_directory="/",  # engines need no cwd; state_dir may sit under a PrivateTmp path
             memory_max=self.spec.resources.ram, memory_high=None,
             cpu_quota=self.spec.resources.cpus, tasks_max=self.spec.resources.tasks_max,
-            devices=ctl.gpu_device_nodes(self.host, gpu_indices),
+            devices=devices,
             runtime_directory=engine_socket_runtime_directory(self.name) if plan.socket_path else None,
             private_network=plan.socket_path is not None,
             markers={"deployment": self.name, "revision": str(self.revision.revision), "launch": self.launch_id,
@@ -507,7 +631,9 @@ class DeploymentActor:
         if self.state not in (READY, STARTING, WAKING):
             return self.state
         adapter = self.controller.adapter(self.spec)
-        in_place = adapter.park_method(self.spec) == "in_place" and self.spec.park == "auto" and in_place_ok
+        tier = self.park_tier
+        in_place = adapter.park_method(self.spec) == "in_place" and self.spec.park == "auto" and in_place_ok \
+            and tier in TIER_SLEEP_LEVEL
         self._set(PARKING, reason)
         try:
             await self._drain(self.spec.timeouts.park, evicting=evicting)
@@ -517,7 +643,7 @@ class DeploymentActor:
         if in_place:
             try:
                 await asyncio.wait_for(
-                    adapter.park(self.controller.http, self.upstream().base_url, self.key, self.spec.park_level),
+                    adapter.park(self.controller.http, self.upstream().base_url, self.key, TIER_SLEEP_LEVEL[tier]),
                     timeout=self.spec.timeouts.park)
                 self.parked_in_place = True
             except (CapyError, asyncio.TimeoutError) as exc:
@@ -528,6 +654,10 @@ class DeploymentActor:
             self.parked_in_place = False
         self.parks += 1
         self._set(PARKED, reason)
+        # What the park really released: memory NVML or the cgroup still shows stays charged.
+        retained = await self.controller.retain_after_park(self) if in_place else {}
+        self._save_park_record(tier=tier if in_place else RESTART, parked_at=wall_clock(), parked_in_place=in_place,
+                               retained=retained)
         return self.state
 
     async def _stop_unit(self) -> None:
@@ -566,7 +696,7 @@ class DeploymentActor:
         if self._watch_task:
             self._watch_task.cancel()
         # The key files on the unit's host; an offline host keeps them until they are reused.
-        await self.controller.remove_secret_env_on(self.host, self.name)
+        await self.controller.remove_secret_key_on(self.host, self.name)
         await self.controller.remove_secret_files_on(self.host, self.secret_files)
         return "deleted"
 
@@ -702,6 +832,11 @@ class DeploymentActor:
             "host_state": self._host_state(), "in_flight": self.in_flight, "waiting": self.waiting,
             "last_used": self.last_used or None, "parked_in_place": self.parked_in_place,
             "wakes": self.wakes, "parks": self.parks, "aliases": spec.aliases,
+            "park_tier": self.park_tier,
+            "park_record": {k: v for k, v in self.park_record.items() if k != "reference"},
+            "parsers": self.parsers(),
+            # Members (units) serving against those the deployment has (`nodes`): READY "1/1", "0/2".
+            "members": {"ready": spec.nodes if self.state == READY else 0, "desired": spec.nodes},
             "journal": self.journal if self.state == FAILED else [],
         }
 

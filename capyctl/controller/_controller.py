@@ -4,6 +4,7 @@ with systemd after a restart, makes room for a wake, and parks idle deployments.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -18,14 +19,16 @@ import aiohttp
 from ..config import DaemonConfig, deployment_from_unit
 from ..errors import CapyError, Conflict, NotFound, Unavailable
 from ..proxy.connector import EngineConnector
-from ..proxy.router import ModelEntry, Upstream
+from ..proxy.router import DurationCounts, MemoryGauge, ModelEntry, Upstream
 from ..scheduler import NoRoom
 from ..spec import DeploymentSpec, EngineSpec
 from ..store import Store
-from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, Busy, DeploymentActor, Progress,
-                     _no_progress)
+from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, STARTING, WAKING, Busy, DeploymentActor,
+                     Progress, _no_progress)
 from ._hosts import LOCAL, HostRegistry
+from . import _parking as parking
 from ._memory import MemoryPlanner, refresh_gpus, wait_released
+from ._parking import park_stats
 from ._memory import measure as measure_memory
 
 log = logging.getLogger("capyctl.controller")
@@ -44,12 +47,22 @@ class Controller:
         self.memory = MemoryPlanner(config)
         self.hosts = HostRegistry(store, self.paths.runtime_dir, systemd, ram_reserve=config.host_ram_reserve,
                                   on_offline=self._host_offline, on_online=self._host_online,
-                                  on_resources=self.memory.set_host)
+                                  on_resources=self._host_resources)
         self._placement_lock = asyncio.Lock()
         self._ports: dict[str, tuple[str, int]] = {}  # deployment -> (host, engine port there)
+        # host -> whether systemd-creds encrypts credentials there (None: not tried yet)
+        self._sealing: dict[str, bool] = {}
         self._idle_task: asyncio.Task | None = None
         self._listeners: list[Callable[[DeploymentActor], None]] = []
         self._measuring: set[asyncio.Task] = set()
+        # Hosts closed to new placements (capyctl drain host), host -> since; the store keeps them
+        # across restarts, this copy keeps a request's admission free of SQLite.
+        self.cordoned: dict[str, float] = store.cordons()
+        # For /metrics: parks (or stops) to make room, per victim; wake durations per deployment.
+        self.evictions: dict[str, int] = {}
+        self._wake_started: dict[str, float] = {}
+        self._wake_durations: dict[str, DurationCounts] = {}
+        self._usage: Any = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -216,77 +229,177 @@ class Controller:
         self._ports.pop(name, None)
 
     def _secret_path(self, name: str) -> Path:
+        """The key file a unit loads as its KEY_CREDENTIAL (LoadCredential= reads it as root)."""
+        return self.paths.secrets_dir / f"{name}.key"
+
+    def _legacy_env_path(self, name: str) -> Path:
+        # Before engine keys were credentials: an EnvironmentFile= with CAPYCTL_ENGINE_KEY=<key>.
+        # Still read when adopting a unit an earlier version started, and removed with the key.
         return self.paths.secrets_dir / f"{name}.env"
 
-    async def write_secret_env_on(self, host: str, name: str, env: dict[str, str]) -> Path:
-        """The 0600 environment file with the per-launch key, on the host the unit runs on."""
-        if host == LOCAL:
-            return self.write_secret_env(name, env)
+    async def write_secret_key_on(self, host: str, name: str, key: str) -> Path:
+        """The 0600 file with the per-launch key, on the host the unit runs on; the unit loads it
+        as a credential, so the key is in no environment file, property or argv."""
         path = self._secret_path(name)
-        content = "".join(f"{key}={value}\n" for key, value in env.items()).encode()
-        await self.hosts.write_private_file(host, path, content)
+        if host == LOCAL:
+            _write_private(path, key + "\n")
+        else:
+            await self.hosts.write_private_file(host, path, (key + "\n").encode())
         return path
 
+    def _sealed_path(self, stem: str) -> Path:
+        # A credential encrypted by systemd-creds (LoadCredentialEncrypted=); see launch_credentials_on.
+        return self.paths.secrets_dir / f"{stem}.cred"
+
+    async def launch_credentials_on(self, host: str, key_file: str, key: str,
+                                    files: dict[str, str]) -> tuple[dict[str, str], frozenset[str]]:
+        """Write one launch's credentials on the host its unit runs on: the per-launch key (the
+        credential KEY_CREDENTIAL, file ``key_file``) and each of ``files`` (LaunchPlan.secret_files:
+        credential name -> text). Each is encrypted with ``systemd-creds encrypt`` where the host
+        has it (its host key, and its TPM2 where present), so no secret lies in the clear on disk;
+        elsewhere it is a 0600 file in the 0700 secrets directory. Returns the credentials for
+        TransientUnit (name -> file) and the names that are encrypted."""
+        from ..engines import KEY_CREDENTIAL
+        wanted = {KEY_CREDENTIAL: (key_file, (key + "\n").encode()),
+                  **{name: (name, text.encode()) for name, text in files.items()}}
+        credentials: dict[str, str] = {}
+        sealed: set[str] = set()
+        for credential, (stem, content) in wanted.items():
+            path = self._sealed_path(stem)
+            if await self._seal_on(host, credential, path, content):
+                credentials[credential] = str(path)
+                sealed.add(credential)
+                # A clear copy from an earlier launch (or version) must not outlive this one.
+                await self._remove_files_on(host, [self._secret_path(stem) if stem == key_file
+                                                   else self.secret_file_path(stem)])
+                continue
+            if stem == key_file:
+                credentials[credential] = str(await self.write_secret_key_on(host, key_file, key))
+            else:
+                await self.write_secret_files_on(host, {stem: content.decode()})
+                credentials[credential] = str(self.secret_file_path(stem))
+        return credentials, frozenset(sealed)
+
+    async def _seal_on(self, host: str, credential: str, path: Path, content: bytes) -> bool:
+        """``systemd-creds encrypt`` of ``content`` into ``path`` on ``host``; False where the host
+        cannot (no systemd-creds, systemd older than 250, no writable host key), remembered so the
+        next launch does not try again."""
+        if self._sealing.get(host) is False:
+            return False
+        if host == LOCAL:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        argv = ["systemd-creds", "encrypt", f"--name={credential}", "-", str(path)]
+        try:
+            rc, _, err = await self.hosts.run(host, argv, input=content)
+        except (OSError, CapyError) as exc:  # FileNotFoundError: no systemd-creds on this machine
+            rc, err = 1, str(exc).encode()
+        if rc == 0:
+            rc, _, err = await self.hosts.run(host, ["chmod", "0600", str(path)])
+        if rc != 0:
+            if self._sealing.get(host) is None:
+                log.warning("engine keys on host %s are 0600 files, not encrypted credentials: systemd-creds "
+                            "encrypt failed: %s", host, err.decode(errors="replace").strip()[:300])
+            self._sealing[host] = False
+            return False
+        self._sealing[host] = True
+        return True
+
+    async def _remove_files_on(self, host: str, paths: list[Path]) -> None:
+        if host == LOCAL:
+            for path in paths:
+                path.unlink(missing_ok=True)
+        elif self.hosts.entries.get(host) is not None:
+            try:
+                await self.hosts.run(host, ["rm", "-f", *map(str, paths)])
+            except CapyError as exc:
+                log.warning("could not remove %s on %s: %s", ", ".join(map(str, paths)), host, exc)
+
+    async def _unseal_on(self, host: str, credential: str, path: Path) -> str | None:
+        """The text of an encrypted credential this daemon wrote (adoption after a restart)."""
+        try:
+            rc, out, _ = await self.hosts.run(host, ["systemd-creds", "decrypt", f"--name={credential}",
+                                                     str(path), "-"])
+        except (OSError, CapyError):
+            return None
+        return out.decode().strip() or None if rc == 0 else None
+
     async def read_secret_key_on(self, host: str, name: str) -> str | None:
+        from ..engines import KEY_CREDENTIAL
+        sealed = self._sealed_path(name)
+        if host != LOCAL or sealed.exists():
+            key = await self._unseal_on(host, KEY_CREDENTIAL, sealed)
+            if key is not None:
+                return key
         if host == LOCAL:
             return self.read_secret_key(name)
         text = await self.hosts.read_file(host, self._secret_path(name))
-        for line in (text or "").splitlines():
-            key, _, value = line.partition("=")
-            if key == "CAPYCTL_ENGINE_KEY":
-                return value
-        return None
+        if text is not None:
+            return text.strip() or None
+        return _key_of_env_file(await self.hosts.read_file(host, self._legacy_env_path(name)))
 
-    def write_secret_env(self, name: str, env: dict[str, str]) -> Path:
-        path = self._secret_path(name)
-        _write_private(path, "".join(f"{key}={value}\n" for key, value in env.items()))
-        return path
+    def secret_file_path(self, name: str) -> Path:
+        """Where a LaunchPlan.secret_files file is written (the source of its credential)."""
+        return self.paths.secrets_dir / name
 
-    @property
-    def secret_dir(self) -> str:
-        """Where an engine's secret files (LaunchPlan.secret_files) are written, 0700 root."""
-        return str(self.paths.secrets_dir)
+    async def engine_confinement(self, host: str, deployment: str, engine_path: str | None, model_path: str,
+                                 devices: list[str]):
+        """What the engine unit may see (controller/_confine.py), probed on its own host."""
+        from ._confine import confinement, probe_host
+
+        async def run(argv: list[str]) -> tuple[int, bytes, bytes]:
+            return await self.hosts.run(host, argv)
+
+        probe = await probe_host(run, engine_path, model_path, devices)
+        confined = confinement(self.paths, deployment, engine_path, model_path, devices, probe)
+        repos = [p for p in confined.bind_read_only_paths if p.startswith(str(self.paths.models_dir) + "/")]
+        if repos:
+            # The daemon downloads under UMask=0077 (units/capyctl.service): a Hub repository bound
+            # into an engine unit must be readable by its unprivileged user. Other local users still
+            # cannot reach it: the state directory above it is 0750 root:capyctl.
+            rc, _, err = await self.hosts.run(host, ["chmod", "-R", "o+rX", *repos])
+            if rc != 0:
+                raise CapyError(f"could not make the model {model_path} readable for its engine on host {host!r}: "
+                                f"{err.decode(errors='replace').strip()}", code="model_unreadable", status=500)
+        return confined
 
     async def write_secret_files_on(self, host: str, files: dict[str, str]) -> None:
         """An engine's secret files (SGLang's --config with its key), 0600, on the unit's host."""
         for name, text in files.items():
-            path = self.paths.secrets_dir / name
+            path = self.secret_file_path(name)
             if host == LOCAL:
                 _write_private(path, text)
             else:
                 await self.hosts.write_private_file(host, path, text.encode())
 
     async def remove_secret_files_on(self, host: str, names: list[str]) -> None:
-        paths = [self.paths.secrets_dir / name for name in names]
-        if host == LOCAL:
-            for path in paths:
-                path.unlink(missing_ok=True)
-        elif paths and self.hosts.entries.get(host) is not None:
-            try:
-                await self.hosts.run(host, ["rm", "-f", *map(str, paths)])
-            except CapyError as exc:
-                log.warning("could not remove secret files %s on %s: %s", names, host, exc)
+        """A launch's secret files, clear or encrypted, on the host its unit ran on."""
+        if names:
+            await self._remove_files_on(host, [p for n in names for p in (self.secret_file_path(n),
+                                                                          self._sealed_path(n))])
 
     def read_secret_key(self, name: str) -> str | None:
         try:
-            for line in self._secret_path(name).read_text().splitlines():
-                key, _, value = line.partition("=")
-                if key == "CAPYCTL_ENGINE_KEY":
-                    return value
+            return self._secret_path(name).read_text().strip() or None
+        except FileNotFoundError:
+            pass
+        try:
+            return _key_of_env_file(self._legacy_env_path(name).read_text())
         except FileNotFoundError:
             return None
-        return None
 
-    def remove_secret_env(self, name: str) -> None:
+    def remove_secret_key(self, name: str) -> None:
         self._secret_path(name).unlink(missing_ok=True)
+        self._legacy_env_path(name).unlink(missing_ok=True)
+        self._sealed_path(name).unlink(missing_ok=True)
 
-    async def remove_secret_env_on(self, host: str, name: str) -> None:
-        """The launch's environment file, on the host its unit ran on (an offline host keeps it)."""
+    async def remove_secret_key_on(self, host: str, name: str) -> None:
+        """The launch's key file, on the host its unit ran on (an offline host keeps it)."""
         if host == LOCAL:
-            self.remove_secret_env(name)
+            self.remove_secret_key(name)
         elif self.hosts.entries.get(host) is not None:
             try:
-                await self.hosts.run(host, ["rm", "-f", str(self._secret_path(name))])
+                await self.hosts.run(host, ["rm", "-f", str(self._secret_path(name)), str(self._legacy_env_path(name)),
+                                            str(self._sealed_path(name))])
             except CapyError as exc:
                 log.warning("could not remove the key file of %s on %s: %s", name, host, exc)
 
@@ -328,6 +441,13 @@ class Controller:
     def placement_error(self, actor: DeploymentActor) -> CapyError | None:
         """Why a request for ``actor`` cannot be served now because of its hosts, or None."""
         placed = actor.state in RUNNING_STATES or actor.parked_in_place
+        if self.cordoned and actor.state not in RUNNING_STATES:
+            # Refused before a wake starts: a cordon is the operator's choice, not the deployment's failure.
+            try:
+                self.allowed_hosts(actor)
+            except CapyError as exc:
+                if exc.code == "host_cordoned":
+                    return exc
         if placed:
             entry = self.hosts.entries.get(actor.host)
             if entry is not None and not entry.online:
@@ -342,15 +462,78 @@ class Controller:
 
     def allowed_hosts(self, actor: DeploymentActor) -> tuple[str, ...]:
         """The online hosts ``actor`` may start on: its manifest's ``hosts``, else every online host."""
+        cordoned = self.cordoned
         if actor.parked_in_place:
+            if actor.host in cordoned:
+                raise self._cordoned_error(actor, [actor.host])
             return (actor.host,)
         wanted = actor.spec.hosts or list(self.hosts.entries)
         for name in wanted:
             self.hosts.get(name)  # an unknown host is an error, not an offline one
+        if actor.spec.nodes > 1:
+            closed = [h for h in wanted[:actor.spec.nodes] if h in cordoned]
+        else:
+            closed = [h for h in wanted if h in cordoned]
+            wanted = [h for h in wanted if h not in cordoned]
+        if closed and (actor.spec.nodes > 1 or not wanted):
+            raise self._cordoned_error(actor, closed)
         online = tuple(h for h in wanted if self.hosts.entries[h].online)
         if not online:
             raise self.hosts.offline_error(wanted[0], actor.name)
         return online
+
+    # -- cordons and drains ------------------------------------------------------------------------
+
+    @staticmethod
+    def _cordoned_error(actor: DeploymentActor, closed: list[str]) -> CapyError:
+        many = len(closed) > 1
+        return Unavailable(f"deployment {actor.name!r} may only run on host{'s' if many else ''} "
+                           f"{', '.join(closed)}, which {'are' if many else 'is'} drained; "
+                           f"'capyctl uncordon host {closed[0]}' opens it again", code="host_cordoned")
+
+    def cordon(self, host: str) -> None:
+        """Close ``host`` to new placements (kept in the store: a restart keeps it closed)."""
+        self.hosts.get(host)  # an unknown host is a 404
+        self.store.cordon(host)
+        self.cordoned = self.store.cordons()
+        log.info("host %s cordoned: no new placement lands there", host)
+
+    def uncordon(self, host: str) -> bool:
+        self.hosts.get(host)
+        opened = self.store.uncordon(host)
+        self.cordoned = self.store.cordons()
+        if opened:
+            log.info("host %s uncordoned: it takes placements again", host)
+        return opened
+
+    async def drain(self, host: str) -> dict:
+        """Cordon ``host``, then park every deployment placed there out of place (its memory is
+        released there and a wake does not land there again); one that may run elsewhere and
+        was serving is woken on another host (moved)."""
+        self.cordon(host)
+        results = []
+        for name in self.describe_host(host)["deployments"]:
+            actor = self.actors.get(name)
+            if actor is None:
+                continue
+            was_serving = actor.state in RUNNING_STATES
+            row: dict[str, Any] = {"name": name, "action": "parked", "error": None}
+            try:
+                # Out of place: weights kept in this host's RAM would bring the next wake back here.
+                await actor.submit("park", in_place_ok=False, reason=f"host {host} drained")
+                if was_serving and actor.spec.nodes == 1 and actor.spec.park != "never":
+                    try:
+                        others = self.allowed_hosts(actor)
+                    except CapyError:
+                        others = ()
+                    if others:
+                        await actor.submit("wake")
+                        row["action"] = "moved"
+            except CapyError as exc:
+                row["error"] = exc.to_dict()
+            results.append(row | {"state": actor.state, "host": actor.host})
+        return {"host": host, "cordoned": True, "deployments": results,
+                "drained": all(r["error"] is None for r in results)}
 
     async def _host_offline(self, host: str) -> None:
         for actor in self.actors.values():
@@ -382,12 +565,18 @@ class Controller:
             raise Conflict(f"deployments {', '.join(sorted(pinned))} name host {name!r} in their manifest; "
                            "delete them or deploy them elsewhere first", code="host_in_use")
         await self.hosts.remove(name)
+        self.store.uncordon(name)
+        self.cordoned = self.store.cordons()
 
     def describe_host(self, name: str) -> dict:
         row = self.hosts.describe(name)
         row["engines"] = sorted({e.type for e in self.store.list_engines()})
         row["deployments"] = sorted(a.name for a in self.actors.values()
                                     if a.host == name and (a.state in RUNNING_STATES or a.parked_in_place))
+        cordoned_at = self.cordoned.get(name)
+        row["cordoned"] = cordoned_at is not None
+        row["cordoned_at"] = cordoned_at
+        row["dev_controls"] = self.config.dev_controls(name)
         return row
 
     # -- making room --------------------------------------------------------------------------------
@@ -419,20 +608,96 @@ class Controller:
                             victim.submit("park", evicting=True, in_place_ok=action == "park",
                                           reason=f"made room for {actor.name}"),
                             timeout=victim.spec.timeouts.park + victim.spec.timeouts.stop + 5)
+                        self.evictions[victim.name] = self.evictions.get(victim.name, 0) + 1
                 except Busy:
                     continue  # a victim got a request meanwhile: plan again
             raise Unavailable(f"could not make room for {actor.name!r}: deployments kept becoming busy",
                               code="no_room")
 
+    def subscribe(self, listener: Callable[[DeploymentActor], None]) -> Callable[[], None]:
+        """Call ``listener(actor)`` on every change of a deployment's state, and when one is deployed or
+        deleted (the dashboard's event stream); returns the call that unsubscribes it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _tell_listeners(self, actor: DeploymentActor) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(actor)
+            except Exception:  # a listener is an observer: it must not break a state change
+                log.warning("a state listener failed on %s", actor.name, exc_info=True)
+
     def on_state_change(self, actor: DeploymentActor) -> None:
         self.memory.observe(actor)
+        if actor.state in (STARTING, WAKING):
+            self._wake_started.setdefault(actor.name, time.monotonic())
+        elif actor.name in self._wake_started:
+            started = self._wake_started.pop(actor.name)
+            if actor.state == READY:  # a failed wake is not a duration of a wake
+                self._wake_durations.setdefault(actor.name, DurationCounts()).observe(time.monotonic() - started)
         if actor.state == READY:
             # Charges estimated from the model are corrected by what the engine really uses.
             task = asyncio.create_task(self._measure(actor), name=f"measure:{actor.name}")
             self._measuring.add(task)
             task.add_done_callback(self._measuring.discard)
-        for listener in self._listeners:
-            listener(actor)
+        self._tell_listeners(actor)
+
+    def _host_resources(self, name: str, resources: Any) -> None:
+        # The reserve follows the configuration (ram_reserve, or ram_budget's complement), read
+        # at each inventory so that a reload applies to every host.
+        self.memory.set_host(name, dataclasses.replace(
+            resources, ram_reserve=self.config.ram_reserve_for(resources.ram_total)))
+
+    def reconfigured(self) -> None:
+        """A reload changed the configuration in place: apply what is not read at each use
+        (the RAM budgets); queue caps, idle-park and development controls are read live."""
+        self.memory.rebudget_local(self.config)
+        for name, entry in self.hosts.entries.items():
+            if entry.remote and entry.info:
+                self._host_resources(name, entry.resources(0))
+
+    def idle_park_after(self, actor: DeploymentActor) -> float | None:
+        """The manifest's idle_park_after, else the configuration's default."""
+        after = actor.spec.idle_park_after
+        return after if after is not None else self.config.idle_park_after
+
+    def dev_controls(self, host: str) -> bool:
+        return self.config.dev_controls(host)
+
+    # -- parking you can check (_parking.py) -------------------------------------------------------
+
+    def unified_memory(self, host: str) -> bool:
+        return parking.unified_memory(self, host)
+
+    def load_park_record(self, name: str) -> dict | None:
+        return self.store.park_record(name)
+
+    def save_park_record(self, name: str, record: dict) -> None:
+        self.store.put_park_record(name, record)
+
+    async def retain_after_park(self, actor: DeploymentActor) -> dict[str, int]:
+        """Measure what ``actor``'s in-place park left held (NVML per process, its cgroup) and keep
+        that charged in the ledger; returns it by domain (empty: all released, or not measurable)."""
+        try:
+            held = await parking.measure_retained(self, actor)
+        except Exception:  # a failed measurement keeps the tier's charge
+            log.warning("deployment %s: measuring what its park released failed", actor.name, exc_info=True)
+            return {}
+        self.memory.ledger.retain(actor.name, held)
+        if held:
+            log.warning("deployment %s: its park left %s held; that stays charged", actor.name, held)
+        return held
+
+    def check_park_tier(self, spec: DeploymentSpec) -> None:
+        """Refuse a declared park_tier the engine or any of the deployment's hosts cannot deliver."""
+        from ..engines._tiers import check_park_tier
+        adapter = self.adapter(spec)
+        for host in (spec.hosts[:spec.nodes] or [LOCAL]):
+            check_park_tier(adapter, spec, host=host, unified_memory=self.unified_memory(host))
+
+    @property
+    def queue_per_deployment(self) -> int:
+        return self.config.queue_per_deployment
 
     async def _measure(self, actor: DeploymentActor) -> None:
         try:
@@ -445,7 +710,7 @@ class Controller:
             await asyncio.sleep(IDLE_CHECK_INTERVAL_S)
             now = time.time()
             for actor in list(self.actors.values()):
-                after = actor.spec.idle_park_after
+                after = self.idle_park_after(actor)
                 if after is None or actor.state != READY or actor.busy or actor.spec.park == "never":
                     continue
                 if now - (actor.last_used or now) >= after and not actor.has_pending_commands:
@@ -482,7 +747,31 @@ class Controller:
 
     def stats(self) -> dict[str, dict[str, float]]:
         return {a.name: {"queue_depth": a.waiting, "in_flight": a.in_flight, "wakes": a.wakes, "parks": a.parks,
-                         "ready": 1.0 if a.state == READY else 0.0} for a in self.actors.values()}
+                         "evictions": self.evictions.get(a.name, 0),
+                         "ready": 1.0 if a.state == READY else 0.0, **park_stats(a.park_record)}
+                for a in self.actors.values()}
+
+    def wake_durations(self) -> dict[str, DurationCounts]:
+        return {name: counts for name, counts in self._wake_durations.items() if name in self.actors}
+
+    async def memory(self) -> list[MemoryGauge]:
+        from ._usage import UsageView
+        if self._usage is None:
+            self._usage = UsageView(self)
+        try:
+            view = await self._usage.view()
+        except Exception:  # a scrape must not fail because one host could not be measured
+            log.warning("metrics: measuring memory failed", exc_info=True)
+            return []
+        held: dict[str, dict[str, int]] = {}
+        for dep in view["deployments"]:
+            for d in dep["domains"]:
+                if d["held"] is not None:
+                    held.setdefault(d["id"], {})[dep["name"]] = d["held"]
+        return [MemoryGauge(domain=d["id"], kind=d["kind"], host=host["host"], index=d["index"],
+                            capacity=d["capacity"], available=d["available"], reserved=d["reserved"],
+                            held=held.get(d["id"], {}))
+                for host in view["hosts"] for d in host["domains"]]
 
     @property
     def queue_total(self) -> int:
@@ -511,6 +800,8 @@ class Controller:
     async def deploy(self, spec: DeploymentSpec, *, activate: bool = False,
                      progress: Progress = _no_progress) -> DeploymentActor:
         self.engine_for(spec)  # refuse an unknown engine before anything is recorded
+        self.adapter(spec).check_task(spec)  # and a task its engine cannot be started for
+        self.check_park_tier(spec)  # and a park tier its engine or host cannot deliver
         revision, new = self.store.put_deployment(spec)
         actor = self.actors.get(spec.name)
         if actor is None:
@@ -522,10 +813,12 @@ class Controller:
             if was_running:
                 await actor.submit("stop")
             actor.revision = revision
+            actor.capabilities = actor.spec_capabilities()
             if was_running:
                 activate = True
         else:
             progress(f"revision {revision.revision} is unchanged")
+        self._tell_listeners(actor)  # a new deployment or revision, before any state change
         if activate:
             await actor.submit("wake", progress=progress)
         return actor
@@ -553,7 +846,36 @@ class Controller:
         await actor.submit("delete")
         self.actors.pop(name, None)
         self.store.delete_deployment(name)
+        self.store.remove_park_record(name)
         self.memory.forget(name)
+        self._tell_listeners(actor)
+
+    async def inspect(self, name: str) -> dict:
+        """Everything known about one deployment: its state, manifest, revisions, last launch
+        record, memory plan and the host settings that apply to it."""
+        info = await self.describe(name)
+        actor = self.get(name)
+        record = self.store.get_deployment(name)
+        runtime = self.store.get_runtime(name)
+        info["desired"] = record.desired if record else None
+        info["spec"] = actor.spec.model_dump(mode="json")
+        info["revisions"] = [{"revision": r.revision, "spec_hash": r.spec_hash, "model_commit": r.model_commit,
+                              "created_at": r.created_at} for r in self.store.revisions(name)]
+        info["runtime"] = dataclasses.asdict(runtime) if runtime else None
+        info["idle_park_after"] = self.idle_park_after(actor)
+        info["gpus"] = list(self.gpus_for(actor)) if actor.spec.nodes == 1 else None
+        info["dev_controls"] = self.config.dev_controls(actor.host)
+        info["cordoned_host"] = actor.host in self.cordoned
+        return info
+
+    def inspect_host(self, name: str) -> dict:
+        row = self.describe_host(name)
+        entry = self.hosts.get(name)
+        row["inventory"] = entry.info
+        row["deployment_states"] = {d: self.actors[d].state for d in row["deployments"] if d in self.actors}
+        row["placeable"] = sorted(a.name for a in self.actors.values()
+                                  if not a.spec.hosts or name in a.spec.hosts)
+        return row
 
     async def describe(self, name: str) -> dict:
         actor = self.get(name)
@@ -565,6 +887,14 @@ class Controller:
             except Exception:
                 pass
         return info
+
+
+def _key_of_env_file(text: str | None) -> str | None:
+    for line in (text or "").splitlines():
+        key, _, value = line.partition("=")
+        if key == "CAPYCTL_ENGINE_KEY":
+            return value
+    return None
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -356,7 +356,7 @@ class HostRegistry:
     # -- management ----------------------------------------------------------------------------
 
     async def add(self, name: str, target: str, *, port: int | None = None, identity: str | None = None,
-                  known_hosts: str | None = None) -> HostEntry:
+                  known_hosts: str | None = None, unified_memory: bool | None = None) -> HostEntry:
         """Connect, verify and record an SSH host. The host key must already be known."""
         if name in self.entries:
             raise Conflict(f"a host named {name!r} exists already", code="host_exists")
@@ -371,8 +371,18 @@ class HostRegistry:
             except BaseException:
                 await self._disconnect(entry)
                 raise
+            if unified_memory is None:
+                # Whether a park that keeps weights in host RAM frees anything there (engines/_tiers.py).
+                from ..hosts import unified_memory_default
+                names = [str(g.get("name") or "") for g in (entry.info or {}).get("gpus") or []]
+                unified_memory = unified_memory_default(names)
+                if unified_memory is None:
+                    await self._disconnect(entry)
+                    raise CapyError(f"host {name!r} has {', '.join(sorted(set(names)))}: whether its GPU and host memory "
+                                    "are one pool is not known from the GPU alone; say it with --unified-memory yes|no",
+                                    code="unified_memory_unknown", status=400)
             entry.record = self.store.put_host(name, "ssh", address=target, port=port, identity=identity,
-                                               known_hosts=known_hosts)
+                                               known_hosts=known_hosts, unified_memory=unified_memory)
             entry.state = ONLINE
             entry.reason = None
             self.entries[name] = entry
@@ -410,7 +420,8 @@ class HostRegistry:
         info = entry.info or {}
         row: dict[str, Any] = {"name": name, "kind": entry.kind, "state": entry.state, "reason": entry.reason,
                                "since": entry.since, "target": entry.record.address if entry.record else None,
-                               "hostname": info.get("hostname")}
+                               "hostname": info.get("hostname"),
+                               "unified_memory": entry.record.unified_memory if entry.record else None}
         gpus = info.get("gpus") or []
         row["gpus"] = len(gpus)
         if gpus:

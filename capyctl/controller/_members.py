@@ -12,7 +12,10 @@ import asyncio
 import contextlib
 import os
 
+from ..engines._tiers import TIER_SLEEP_LEVEL
+from ..config import engine_credentials_dir
 from ..errors import CapyError
+from ._confine import engine_location
 from ._keys import new_engine_key
 from ._group import GroupMember, MemberLaunch
 from ._hosts import LOCAL, parse_target
@@ -77,7 +80,8 @@ class UnitMembers:
         ctx = LaunchContext(deployment=actor.spec, engine=engine, model_path=resolved.path, port=port,
                             gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(actor.spec, host),
                             gpu_memory_fraction=gpu_fraction, gpu_memory_budget=gpu_budget,
-                            nnodes=launch.nnodes, secret_dir=ctl.secret_dir)
+                            nnodes=launch.nnodes, secret_dir=engine_credentials_dir(actor.unit),
+                            dev_controls=ctl.dev_controls(host))
         plan = adapter.build_launch(ctx)
         if launch.is_head:
             actor.key = new_engine_key()
@@ -86,19 +90,23 @@ class UnitMembers:
             actor.served_model = plan.served_model
         # One key file per member: hosts may share a filesystem, and one member's write must never
         # truncate a file another member's systemd is reading at exec time.
-        env_file = await ctl.write_secret_env_on(host, self.secret_name(launch), plan.secret_file_environment(actor.key))
         # Every member's files hold the same key, each written whole (temporary file, then rename).
-        await ctl.write_secret_files_on(host, plan.secret_file_contents(actor.key))
+        credentials, encrypted = await ctl.launch_credentials_on(host, self.secret_name(launch), actor.key,
+                                                                 plan.secret_file_contents(actor.key))
         self.secret_files[launch.rank] = sorted(plan.secret_files)
+        devices = ctl.gpu_device_nodes(host, gpu_indices)
+        confined = await ctl.engine_confinement(host, actor.name, engine_location(engine), resolved.path, devices)
         unit = TransientUnit(
             name=actor.unit,
             description=(f"CapyCTL deployment {actor.name} (rev {actor.revision.revision}, {engine.type}, "
                          f"rank {launch.rank} of {launch.nnodes})"),
             argv=[*plan.argv, *launch.flags],
-            environment={**plan.environment, **gpu_order_environment(gpu_indices), **actor.spec.env},
-            environment_file=str(env_file), working_directory="/",
+            environment={**confined.environment, **plan.environment, **gpu_order_environment(gpu_indices),
+                         **actor.spec.env},
+            credentials=credentials, encrypted_credentials=encrypted,
+            credential_environment=plan.credential_environment(), **confined.unit_fields(), working_directory="/",
             memory_max=actor.spec.resources.ram, cpu_quota=actor.spec.resources.cpus,
-            tasks_max=actor.spec.resources.tasks_max, devices=ctl.gpu_device_nodes(host, gpu_indices),
+            tasks_max=actor.spec.resources.tasks_max, devices=devices,
             markers={"deployment": actor.name, "revision": str(actor.revision.revision),
                      "launch": actor.launch_id or "", "port": str(port), "rank": str(launch.rank)})
         await systemd.start_transient(unit)
@@ -113,7 +121,7 @@ class UnitMembers:
             await self.ctl.systemd_on(host).stop_unit(self.actor.unit, self.actor.spec.timeouts.stop)
         self.ctl.release_port(self.unit_state_key(launch))
         with contextlib.suppress(CapyError):  # the member's key file goes with it
-            await self.ctl.remove_secret_env_on(host, self.secret_name(launch))
+            await self.ctl.remove_secret_key_on(host, self.secret_name(launch))
         await self.ctl.remove_secret_files_on(host, self.secret_files.pop(launch.rank, []))
 
     async def accepting(self, launch: MemberLaunch) -> bool:
@@ -146,8 +154,8 @@ class UnitMembers:
 
     async def park(self, launch: MemberLaunch) -> None:
         adapter = self.ctl.adapter(self.actor.spec)
-        await adapter.park(self.ctl.http, await self._head_url(launch), self.actor.key, self.actor.spec.park_level)
+        await adapter.park(self.ctl.http, await self._head_url(launch), self.actor.key, TIER_SLEEP_LEVEL.get(self.actor.park_tier, 1))
 
     async def wake(self, launch: MemberLaunch) -> None:
         adapter = self.ctl.adapter(self.actor.spec)
-        await adapter.wake(self.ctl.http, await self._head_url(launch), self.actor.key, self.actor.spec.park_level)
+        await adapter.wake(self.ctl.http, await self._head_url(launch), self.actor.key, TIER_SLEEP_LEVEL.get(self.actor.park_tier, 1))

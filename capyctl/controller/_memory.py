@@ -168,10 +168,12 @@ def footprint(actor: PlacedDeployment, largest_card: int | None = None) -> Footp
     # Weights plus KV cache and runtime: measured 177 MB RSS for a 98 MB GGUF at -c 2048.
     ram = spec.resources.ram or int(size * 1.5) + (128 << 20)
     adapter = actor.controller.adapter(spec)
-    in_place = spec.park == "auto" and adapter.park_method(spec) == "in_place"
-    # What stays in host RAM while parked in place is the engine's to say (vLLM level 1 and
-    # SGLang's CPU backup keep the weights; vLLM level 2 and TensorFold keep nothing).
-    parked_ram = adapter.parked_host_bytes(spec, size) if in_place else None
+    # The tier resolved against the actor's host (engines/_tiers.py): restart parks by stopping,
+    # deep keeps nothing, host_backed what the engine says (vLLM level 1's and SGLang's CPU backup
+    # of the weights; a custom engine's declared park).
+    tier = getattr(actor, "park_tier", None)
+    in_place = spec.park == "auto" and adapter.park_method(spec) == "in_place" and tier != "restart"
+    parked_ram = (adapter.parked_host_bytes(spec, size) if tier in (None, "host_backed") else 0) if in_place else None
     gpus = spec.gpus_needed
     gpu_memory = spec.resources.gpu_memory if gpus else None
     if gpus and gpu_memory is None:
@@ -215,12 +217,31 @@ def _stopped(actor: PlacedDeployment) -> bool:
 
 class MemoryPlanner:
     def __init__(self, config: DaemonConfig, local_gpus: "tuple[GpuCard, ...] | None" = None) -> None:
-        budget = os.environ.get("CAPYCTL_RAM_BUDGET")
-        ram_total = parse_size(budget) if budget else _ram_total()
-        reserve = 0 if budget else config.host_ram_reserve
         gpus = _local_gpus() if local_gpus is None else tuple(local_gpus)
-        self.ledger = Ledger([HostResources(name=LOCAL, ram_total=ram_total, ram_reserve=reserve, gpus=gpus)])
+        self.ledger = Ledger([self._local_resources(config, gpus)])
         self._last_plan: tuple[str, list[tuple[Plan, Request]]] | None = None
+        self._config = config
+
+    @property
+    def idle_park_default(self) -> float | None:
+        return self._config.idle_park_after
+
+    @staticmethod
+    def _local_resources(config: DaemonConfig, gpus: "tuple[GpuCard, ...]") -> HostResources:
+        # A budget (CAPYCTL_RAM_BUDGET, which wins, or the config file's ram_budget) is the RAM
+        # CapyCTL may use whatever the host has; otherwise the host's RAM less the reserve.
+        budget = os.environ.get("CAPYCTL_RAM_BUDGET")
+        if budget:
+            return HostResources(name=LOCAL, ram_total=parse_size(budget), ram_reserve=0, gpus=gpus)
+        if config.host_ram_budget is not None:
+            return HostResources(name=LOCAL, ram_total=config.host_ram_budget, ram_reserve=0, gpus=gpus)
+        return HostResources(name=LOCAL, ram_total=_ram_total(), ram_reserve=config.host_ram_reserve, gpus=gpus)
+
+    def rebudget_local(self, config: DaemonConfig) -> None:
+        """Apply a reloaded RAM reserve or budget to this host; charges stay where they are."""
+        gpus = tuple(GpuCard(d.index, d.model, d.capacity) for d in self.ledger.domains.values()
+                     if d.kind == "gpu" and d.host == LOCAL)
+        self.ledger.add_host(self._local_resources(config, gpus))
 
     def set_host(self, name: str, resources: HostResources) -> None:
         """Budget a (remote) host from its inventory; ``resources.name`` is ignored for ``name``."""
@@ -241,7 +262,10 @@ class MemoryPlanner:
             self.observe(other)
         fp = self.footprint(actor)
         candidates = [Candidate(a.name, a.state, a.last_used, busy=a.busy or a.has_pending_commands,
-                                never_evict=a.spec.park == "never", idle_park_after=a.spec.idle_park_after)
+                                never_evict=a.spec.park == "never",
+                                idle_park_after=a.spec.idle_park_after if a.spec.idle_park_after is not None
+                                else self.idle_park_default,
+                                wake_seconds=(getattr(a, "park_record", None) or {}).get("wake_seconds"))
                       for a in actors if a is not actor and self.ledger.get(a.name) is not None]
         if actor.spec.nodes > 1:
             requests = [Request(member_name(actor.name, rank), fp, hosts=(host,))

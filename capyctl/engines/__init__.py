@@ -1,8 +1,8 @@
 """Engine adapters: how each engine is launched, probed, parked and woken, and engine detection.
 
 The controller builds a :class:`LaunchContext`, asks :func:`adapter_for` the engine's adapter
-for a :class:`LaunchPlan`, and runs it as a transient unit whose 0600 environment file holds
-``plan.secret_file_environment(key)``.
+for a :class:`LaunchPlan`, and runs it as a transient unit that loads the per-launch key (and
+``plan.secret_files``) as systemd credentials (KEY_CREDENTIAL).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from ..errors import CapyError
 from ..spec import EngineSpec
 from ..spec.models import ENGINE_KIND_ALIASES
-from ._base import DEFAULT_KEY_ENV, EngineAdapter, LaunchContext, LaunchPlan, ParkMethod
-from ._detect import detect_engine
+from ._base import DEFAULT_KEY_ENV, KEY_CREDENTIAL, EngineAdapter, LaunchContext, LaunchPlan, ParkMethod
+from ._detect import detect_engine, find_engines
 from .custom import CustomAdapter
 from .llamacpp import LlamaCppAdapter
 from .sglang import SglangAdapter
@@ -40,6 +40,7 @@ def adapter_for(kind: str, engine: EngineSpec | None = None) -> EngineAdapter:
 
 
 __all__ = [
-    "DEFAULT_KEY_ENV", "KINDS", "EngineAdapter", "LaunchContext", "LaunchPlan", "ParkMethod", "adapter_for",
+    "DEFAULT_KEY_ENV", "KEY_CREDENTIAL", "KINDS", "EngineAdapter", "LaunchContext", "LaunchPlan", "ParkMethod", "adapter_for",
     "detect_engine",
+    "find_engines",
 ]

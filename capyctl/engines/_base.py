@@ -14,11 +14,17 @@ from ..spec import DeploymentSpec, EngineSpec
 
 ParkMethod = Literal["stop", "in_place"]
 
-# The environment-file variable that holds the per-launch key. systemd expands "${NAME}" in
-# ExecStart= at exec time from the unit's environment, so the key never appears in argv.
+# The variable a custom engine reads the per-launch key from unless its registration names another.
 DEFAULT_KEY_ENV = "CAPYCTL_ENGINE_KEY"
+# The systemd credential that holds the per-launch key: /run/credentials/<unit>/engine-key, 0400 and
+# owned by the unit's user (LoadCredential=), read by the engine's own key-file option or exported
+# into its environment by the unit's credential shell (TransientUnit.credential_environment).
+KEY_CREDENTIAL = "engine-key"
 # Where the key goes in a LaunchPlan.secret_files text.
 SECRET_FILE_KEY = "{key}"
+
+# EngineSpec.capabilities' default.
+DEFAULT_REGISTERED_CAPABILITIES = frozenset(EngineSpec.model_fields["capabilities"].get_default(call_default_factory=True))
 
 # A health probe is polled; one hung probe must not stall the poller.
 HEALTH_TIMEOUT_S = 5.0
@@ -52,15 +58,31 @@ class LaunchContext:
     # How many hosts one model instance spans (multi-node groups). vLLM and SGLang read the
     # tensor-parallel size as the total across nodes; each node holds tensor_parallel / nnodes.
     nnodes: int = 1
-    # The 0700 directory, on the engine's host, where the controller writes this launch's
-    # LaunchPlan.secret_files (beside its 0600 environment file), for engines that read their key
-    # only from a file (SGLang's --config YAML). None: the controller writes no such files.
+    # Where the engine finds its credentials: the unit's credentials directory
+    # (/run/credentials/<unit>), holding KEY_CREDENTIAL and each of LaunchPlan.secret_files under its
+    # name. None: the launch has no credentials directory (then key-file options are not used).
     secret_dir: str | None = None
+    # Whether the host's GPU and host memory are one pool (its record's unified_memory): the park
+    # tier resolved for the launch (engines/_tiers.py) never keeps weights in host RAM there.
+    unified_memory: bool = False
+
+    @property
+    def park_tier(self) -> str:
+        """The tier this launch parks at (restart, host_backed, deep): SGLang's launch flags follow it."""
+        from ._tiers import resolve_park_tier
+        from . import adapter_for
+        return resolve_park_tier(adapter_for(self.engine.type, self.engine), self.deployment,
+                                 unified_memory=self.unified_memory)
 
     @property
     def accelerated(self) -> bool:
         """Whether this launch has GPUs. vLLM's sleep mode exists only on CUDA, ROCm and XPU."""
         return bool(self.gpu_indices)
+
+    @property
+    def key_file(self) -> str | None:
+        """The per-launch key's credential file, for engines with a key-file option; None without one."""
+        return f"{self.secret_dir.rstrip('/')}/{KEY_CREDENTIAL}" if self.secret_dir is not None else None
 
     @property
     def key_ref(self) -> str:
@@ -73,9 +95,9 @@ class LaunchPlan:
     """The command line and environment of one engine launch.
 
     ``environment`` holds nothing secret and may go into the unit's ``Environment=``.
-    ``secret_environment`` names the variables the engine reads its key from; each maps to the
-    name of the secret it must hold (today always the context's ``key_env``). Write the 0600
-    environment file with :meth:`secret_file_environment`.
+    ``secret_environment`` names the variables the engine reads its key from (for engines without
+    a key-file option); each maps to the name of the secret it must hold (today always the
+    context's ``key_env``). The unit sets them at exec time from the KEY_CREDENTIAL credential.
     """
 
     argv: list[str]
@@ -87,10 +109,10 @@ class LaunchPlan:
     # The unix socket the engine will serve on (the context's socket_path, when the adapter used
     # it); None when it serves on TCP at the context's host and port.
     socket_path: str | None = None
-    # Files the engine reads its key from, by file name (the adapter names them in argv as
-    # ``<ctx.secret_dir>/<name>``); each text holds SECRET_FILE_KEY where the key goes. Before it
-    # starts the unit the controller writes :meth:`secret_file_contents` there, 0600 and owned by
-    # the unit's user, and removes them with the launch's environment file.
+    # Files the engine reads its key from, by credential name (the adapter names them in argv as
+    # ``<ctx.secret_dir>/<name>``); each text holds SECRET_FILE_KEY where the key goes. The
+    # controller writes :meth:`secret_file_contents` 0600 into its own secrets directory, the unit
+    # loads each as a credential of that name, and the controller removes them with the key.
     secret_files: dict[str, str] = field(default_factory=dict)
 
     def secret_file_contents(self, key: str) -> dict[str, str]:
@@ -98,11 +120,14 @@ class LaunchPlan:
         return {name: text.replace(SECRET_FILE_KEY, key) for name, text in self.secret_files.items()}
 
     def secret_file_environment(self, key: str) -> dict[str, str]:
-        """The variables of the 0600 environment file: the key under ``key_env`` and every engine name for it."""
-        env = {self.key_env: key}
-        for name in self.secret_environment:
-            env[name] = key
-        return env
+        """What the engine's environment receives at exec time: ``key`` under each of
+        secret_environment (for running an engine outside systemd, as tests do)."""
+        return {name: key for name in self.secret_environment}
+
+    def credential_environment(self) -> dict[str, str]:
+        """The variables the unit sets from credentials at exec time: each of secret_environment
+        from KEY_CREDENTIAL (TransientUnit.credential_environment)."""
+        return {name: KEY_CREDENTIAL for name in self.secret_environment}
 
 
 def headers_for(key: str | None) -> dict[str, str]:
@@ -145,6 +170,23 @@ def require_gpus_for_tp(ctx: LaunchContext) -> int:
             f"deployment {ctx.deployment.name!r} asks for tensor_parallel {tp} ({per_node} GPU(s){where}) but "
             f"was given {len(ctx.gpu_indices)} GPU(s) {ctx.gpu_indices}", code="gpu_count_mismatch", status=400)
     return tp
+
+
+def unsupported_task(deployment: DeploymentSpec, engine_kind: str, served: str) -> CapyError:
+    """The refusal of a deployment whose ``task`` its engine cannot be started for."""
+    return CapyError(
+        f"deployment {deployment.name!r} sets task: {deployment.task}, which {engine_kind} cannot serve; "
+        f"{served}", code="task_unsupported", status=400)
+
+
+def registered_capabilities(engine: EngineSpec) -> frozenset[str]:
+    """What a built-in engine's registration adds to its adapter's own list. The default list
+    (chat, completions) adds nothing: the store keeps every field, so a registration read back
+    carries it whether or not anyone wrote it, and a pooling deployment must not claim chat."""
+    if "capabilities" not in engine.model_fields_set:
+        return frozenset()
+    listed = frozenset(engine.capabilities)
+    return frozenset() if listed == DEFAULT_REGISTERED_CAPABILITIES else listed
 
 
 def has_flag(args: list[str], *names: str) -> bool:
@@ -195,13 +237,24 @@ class EngineAdapter(ABC):
                      model_path: str | None = None) -> frozenset[str]:
         """What the proxy may route to this engine. ``deployment`` and ``model_path`` refine it where
         the engine's abilities depend on its flags or its model (llama-server's embeddings, systemone)."""
-        caps = set(self.base_capabilities)
-        if "capabilities" in engine.model_fields_set:
-            caps.update(engine.capabilities)
-        return frozenset(caps)
+        return frozenset(self.base_capabilities | registered_capabilities(engine))
+
+    def check_task(self, deployment: DeploymentSpec) -> None:
+        """Refuse (``task_unsupported``) a deployment whose ``task`` this engine cannot be started for.
+        Called when a deployment is recorded and again at every launch."""
 
     def park_method(self, target: LaunchContext | DeploymentSpec) -> ParkMethod:
         return "stop"
+
+    def parsers(self, deployment: DeploymentSpec, model_path: str | None) -> Any:
+        """The tool-call and reasoning parsers a launch renders and why (engines/_parsers.py
+        ParserChoice); None for engines that choose none (llama.cpp parses with --jinja itself)."""
+        return None
+
+    def park_tier_refusal(self, deployment: DeploymentSpec, tier: str) -> str | None:
+        """Why this engine cannot park ``deployment`` at ``tier`` (host_backed or deep); None: it can.
+        The host's side (unified memory) is checked in _tiers.py."""
+        return f"{self.kind} has no in-place park: it parks by stopping the unit (park_tier: restart)"
 
     def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
         """Host RAM an in-place park keeps: by default the weights (SGLang's CPU backup keeps a
@@ -226,7 +279,8 @@ class EngineAdapter(ABC):
         """Release the engine's memory in place. The caller must have drained in-flight requests first."""
         raise EngineError(f"{self.kind} has no in-place park; stop the unit instead", code="park_unsupported")
 
-    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int) -> None:
+    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int,
+                   model_path: str | None = None) -> None:
         """Restore what :meth:`park` released, so the engine serves again."""
         raise EngineError(f"{self.kind} has no in-place wake; start the unit instead", code="park_unsupported")
 
@@ -241,7 +295,7 @@ def deployment_of(target: LaunchContext | DeploymentSpec) -> DeploymentSpec:
 
 def in_place_allowed(target: LaunchContext | DeploymentSpec) -> bool:
     """The deployment wants the engine's own park and the host allows development controls."""
-    if deployment_of(target).park == "stop":
+    if deployment_of(target).park == "stop" or deployment_of(target).declared_park_tier == "restart":
         return False
     if isinstance(target, LaunchContext) and not target.dev_controls:
         return False

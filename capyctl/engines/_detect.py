@@ -126,3 +126,53 @@ async def detect_engine(path: str, name: str | None = None) -> EngineSpec:
     if version is None:
         raise _unrecognized(path, "it is an executable that did not answer `--version` like llama-server")
     return EngineSpec(kind="engine", name=name or "llama.cpp", type="llama.cpp", path=str(p), version=version)
+
+
+# Where `capyctl engine detect` looks when given no directory: the usual homes of self-built
+# binaries and virtual environments. Each root is searched two levels deep (ROOT/x, ROOT/x/y),
+# which covers /opt/vllm, /opt/engines/sglang and /opt/llama.cpp/build.
+DETECT_ROOTS = ("/opt", "/usr/local", "/srv", "/var/lib/capyctl/engines", "/var/cache/capyctl-build")
+DETECT_DEPTH = 2
+
+
+def _candidates(root: Path, depth: int) -> list[Path]:
+    """Directories under ``root`` (itself included) that may be an engine install: a venv
+    (pyvenv.cfg) or one holding llama-server (at its top, in bin/ or in build/bin/)."""
+    found: list[Path] = []
+    level = [root]
+    for _ in range(depth + 1):
+        following: list[Path] = []
+        for directory in level:
+            if (directory / "pyvenv.cfg").is_file() or any(
+                    (directory / sub / "llama-server").is_file() for sub in (".", "bin", "build/bin")):
+                found.append(directory)
+                continue  # an install's own subdirectories are not other installs
+            try:
+                following += sorted(p for p in directory.iterdir() if p.is_dir() and not p.is_symlink())
+            except OSError:
+                pass  # unreadable or vanished: nothing to find there
+        level = following
+    return found
+
+
+async def find_engines(roots: list[str] | None = None, *, search_path: bool = True) -> list[EngineSpec]:
+    """Every engine install found on this host: llama-server binaries (on $PATH and under the
+    roots) and virtual environments with vllm, sglang or tensorfold. Each is what
+    ``detect_engine`` recognises, so ``capyctl engine add PATH`` registers it as found."""
+    import shutil
+    places: list[Path] = []
+    if search_path:
+        on_path = shutil.which("llama-server")
+        if on_path:
+            places.append(Path(on_path).resolve())
+    for root in roots if roots is not None else DETECT_ROOTS:
+        if Path(root).is_dir():
+            places += await asyncio.to_thread(_candidates, Path(root), DETECT_DEPTH)
+    found: dict[str, EngineSpec] = {}  # by resolved path: $PATH and a root may name one binary
+    for place in dict.fromkeys(places):
+        try:
+            spec = await detect_engine(str(place))
+        except CapyError:
+            continue  # a venv with no engine in it, a binary that is not llama-server
+        found.setdefault(str(Path(spec.path or place).resolve()), spec)
+    return list(found.values())

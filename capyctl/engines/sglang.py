@@ -22,7 +22,8 @@ Facts from SGLang 0.5.23's source (the wheel's sglang/srt/...):
   enable_cpu_backup=...)): resume maps fresh, uninitialised memory and the model answers garbage.
 - No environment variable holds the API key (environ.py). ``--config FILE.yaml`` is merged into
   the arguments inside the process (utils/server_args_config_parser.py), so the key lives in a
-  0600 YAML file and /proc/PID/cmdline shows only its path.
+  YAML file, loaded into the unit as a systemd credential (0400, the unit's user), and
+  /proc/PID/cmdline shows only its path.
 - The key guards every route but /health*, /ready*, /metrics* (utils/auth.py
   decide_request_auth); release/resume are ADMIN_OPTIONAL: with only --api-key set they need
   that key.
@@ -32,16 +33,19 @@ Facts from SGLang 0.5.23's source (the wheel's sglang/srt/...):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from pathlib import Path
 
 import aiohttp
 
-from ..errors import CapyError
-from ..spec import DeploymentSpec
+from ..errors import CapyError, EngineError
+from ..spec import DeploymentSpec, EngineSpec
+from ._parsers import ParserChoice, choose_parsers, parser_flags
 from ._base import (SECRET_FILE_KEY, EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call,
-                    cuda_environment, has_flag, in_place_allowed, require_gpus_for_tp, require_path,
-                    user_environment)
+                    cuda_environment, has_flag, in_place_allowed, registered_capabilities, require_gpus_for_tp,
+                    require_path, user_environment)
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +71,61 @@ def config_file_text() -> str:
     return f'api-key: "{SECRET_FILE_KEY}"\n'
 
 
+# srt/entrypoints/http_server.py registers every route whatever the flags; what answers depends on
+# whether the model generates (tokenizer_manager.is_generation, False with --is-embedding:
+# configs/model_config.py is_generation_model). With a generating model: /v1/chat/completions,
+# /v1/completions, POST /v1/responses and GET /v1/responses/{response_id}, /v1/messages and
+# /v1/messages/count_tokens, /tokenize and /v1/tokenize, /detokenize and /v1/detokenize, /v1/score
+# (log-probabilities of label tokens for a causal LM), /v1/systemone (its own answer, the same request
+# shape: entrypoints/systemone/protocol.py), chat logprobs. /v1/embeddings needs --is-embedding
+# (tokenizer_manager.py refuses an EmbeddingReqInput while is_generation); /v1/rerank without a Qwen3
+# reranker template is a cross-encoder request (openai/serving_rerank.py _detect_rerank_backend),
+# like /v1/score for a *ForSequenceClassification model, both with --is-embedding.
+GENERATION_CAPABILITIES = frozenset({"chat", "completions", "responses", "responses_get", "messages", "tokenize",
+                                     "tokenize_v1", "score", "systemone", "logprobs"})
+POOLING_CAPABILITIES = {
+    "embed": frozenset({"embeddings", "tokenize", "tokenize_v1"}),
+    "rerank": frozenset({"rerank", "score", "tokenize", "tokenize_v1"}),
+}
+# arg_groups/fields/model.py: "Whether to use a CausalLM as an embedding model"; embedding and
+# cross-encoder architectures turn it on by themselves (arg_groups/model_hook.py).
+EMBEDDING_FLAG = "--is-embedding"
+# /v1/audio/transcriptions picks an adapter by a substring of the model's architecture
+# (openai/transcription_adapters/base.py resolve_adapter; the keys its modules register), and
+# falls back to Whisper's for any other model.
+TRANSCRIPTION_ARCHITECTURE_KEYS = ("Whisper", "Qwen2Audio", "Qwen3ASR", "GlmAsr", "GraniteSpeech", "MiMoV2ASR")
+
+
+def deployment_task(deployment: DeploymentSpec) -> str:
+    """The deployment's task; for ``generate`` (the default), ``embed`` when engine_args say --is-embedding."""
+    if deployment.task == "generate" and has_flag(deployment.engine_args, EMBEDDING_FLAG):
+        return "embed"
+    return deployment.task
+
+
+def transcribes(model_path: str) -> bool:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not isinstance(architectures, list):
+        return False
+    return any(isinstance(arch, str) and key in arch for arch in architectures for key in TRANSCRIPTION_ARCHITECTURE_KEYS)
+
+
 class SglangAdapter(EngineAdapter):
     kind = "sglang"
     unix_socket = False  # uvicorn.Config(host=..., port=...) only: no unix socket in 0.5.23
+    base_capabilities = GENERATION_CAPABILITIES
+
+    def capabilities(self, engine: EngineSpec, *, deployment: DeploymentSpec | None = None,
+                     model_path: str | None = None) -> frozenset[str]:
+        task = deployment_task(deployment) if deployment is not None else "generate"
+        caps = set(GENERATION_CAPABILITIES if task == "generate" else POOLING_CAPABILITIES[task])
+        if task == "generate" and model_path is not None and transcribes(model_path):
+            caps.add("transcriptions")
+        return frozenset(caps | registered_capabilities(engine))
 
     def __init__(self) -> None:
         # (base_url, key) -> the tags this adapter released on that launch and has not resumed.
@@ -78,6 +134,18 @@ class SglangAdapter(EngineAdapter):
 
     def park_method(self, target: LaunchContext | DeploymentSpec) -> ParkMethod:
         return "in_place" if in_place_allowed(target) else "stop"
+
+    def parsers(self, deployment: DeploymentSpec, model_path: str | None) -> ParserChoice | None:
+        if deployment_task(deployment) != "generate":
+            return None
+        return choose_parsers(self.kind, deployment, model_path)
+
+    def park_tier_refusal(self, deployment: DeploymentSpec, tier: str) -> str | None:
+        return None  # host_backed: --enable-weights-cpu-backup; deep: the memory saver alone
+
+    def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
+        from ._tiers import in_place_tier
+        return model_bytes if in_place_tier(deployment) == "host_backed" else 0
 
     def build_launch(self, ctx: LaunchContext) -> LaunchPlan:
         venv = require_path(ctx)
@@ -100,11 +168,20 @@ class SglangAdapter(EngineAdapter):
         else:
             # The key on the command line would show in /proc/PID/cmdline to every local user.
             raise CapyError(f"deployment {ctx.deployment.name!r}: SGLang takes its key only from a --config "
-                            "file, and this launch has no secret directory to write it to",
+                            "file, and this launch has no credentials directory to load it into",
                             code="secret_dir_missing", status=500)
+        if deployment_task(ctx.deployment) != "generate" and not has_flag(user, EMBEDDING_FLAG):
+            argv.append(EMBEDDING_FLAG)
+        choice = self.parsers(ctx.deployment, ctx.model_path)
+        if choice is not None:
+            argv += parser_flags(self.kind, choice, user)
         if self.park_method(ctx) == "in_place":
-            # Both: the memory saver makes the release possible, the CPU backup makes the weights survive it.
-            argv += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
+            # The memory saver makes the release possible; the CPU backup (host_backed) keeps a pinned
+            # host copy of the weights through it. Without the backup (deep) the released weights are
+            # gone and wake re-reads them from disk (update_weights_from_disk).
+            argv.append("--enable-memory-saver")
+            if ctx.park_tier == "host_backed":
+                argv.append("--enable-weights-cpu-backup")
         if tp > 1 and not has_flag(user, "--tp-size", "--tensor-parallel-size", "--tp"):
             argv += ["--tp-size", str(tp)]
         if ctx.gpu_memory_fraction is not None and not has_flag(user, "--mem-fraction-static"):
@@ -133,7 +210,8 @@ class SglangAdapter(EngineAdapter):
                    code="park_failed", what="SGLang release_memory_occupation")
         self._record(launch, frozenset(PARK_TAGS))
 
-    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int) -> None:
+    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int,
+                   model_path: str | None = None) -> None:
         """``POST /resume_memory_occupation`` with exactly the tags this launch released.
 
         Resuming a tag that is not released crashes SGLang, so a launch with nothing released
@@ -150,6 +228,24 @@ class SglangAdapter(EngineAdapter):
                    json={"tags": [t for t in PARK_TAGS if t in tags]},
                    code="wake_failed", what="SGLang resume_memory_occupation")
         self._record(launch, frozenset())
+        if level == 2 and "weights" in tags:
+            await self._reload_weights(session, base_url, key, model_path)
+
+    async def _reload_weights(self, session: aiohttp.ClientSession, base_url: str, key: str | None,
+                              model_path: str | None) -> None:
+        """The deep tier: launched without --enable-weights-cpu-backup, the resumed weights region is
+        fresh memory, so the checkpoint is read again: ``POST /update_weights_from_disk
+        {"model_path"}`` answers ``{"success", "message", "num_paused_requests"}``, 400 when it failed
+        (entrypoints/http_server.py update_weights_from_disk, managers/io_struct.py)."""
+        if model_path is None:
+            raise EngineError("SGLang deep wake needs the model's path to re-read its weights",
+                              code="wake_failed", detail={"path": "/update_weights_from_disk"})
+        body = await call(session, "POST", base_url, "/update_weights_from_disk", key,
+                          json={"model_path": model_path}, code="wake_failed",
+                          what="SGLang update_weights_from_disk")
+        if isinstance(body, dict) and body.get("success") is False:
+            raise EngineError(f"SGLang update_weights_from_disk answered {str(body)[:200]}",
+                              code="wake_failed", detail={"path": "/update_weights_from_disk"})
 
     def released_tags(self, base_url: str, key: str | None) -> frozenset[str] | None:
         """What this adapter released on a launch and has not resumed; None if it never parked it."""

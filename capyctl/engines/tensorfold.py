@@ -10,7 +10,9 @@ Facts followed, by file of that repository:
   ``Server((args.host, int(args.port)), ...)`` / ``serve(app, args.host, int(args.port))``); there is no
   unix-socket option.
 - docs/api.md "API keys": keys come from ``--api-key`` (argv: never), comma-separated
-  ``TENSORFOLD_API_KEY``, or ``--api-key-file``; ``Authorization: Bearer``; ``/health`` stays open.
+  ``TENSORFOLD_API_KEY``, or ``--api-key-file PATH`` (one key a line; startup refuses a file other
+  users may read, which a 0400 systemd credential is not); ``Authorization: Bearer``; ``/health``
+  stays open.
 - docs/model-sleep.md and src/tensorfold/server/lifecycle_http.py: ``--enable-sleep-mode``; the sleep
   token comes from the environment variable ``TENSORFOLD_SLEEP_TOKEN`` (renamed with
   ``--sleep-token-env``), sent as ``Authorization: Bearer``, and is separate from the API keys
@@ -33,7 +35,7 @@ import aiohttp
 from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec
 from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call, cuda_environment, has_flag,
-                    in_place_allowed, require_path, user_environment)
+                    in_place_allowed, require_path, unsupported_task, user_environment)
 
 KEY_ENV_NAME = "TENSORFOLD_API_KEY"  # docs/api.md "API keys"
 SLEEP_TOKEN_ENV_NAME = "TENSORFOLD_SLEEP_TOKEN"  # docs/model-sleep.md: the default of --sleep-token-env
@@ -63,15 +65,31 @@ def model_type(model_path: str) -> str | None:
 
 class TensorFoldAdapter(EngineAdapter):
     kind = "tensorfold"
-    # docs/api.md routes: /v1/chat/completions (with tools), /v1/completions and /v1/decisions are
-    # the ones the proxy routes today (/v1/messages, /v1/responses, /v1/tokenize it does not route).
-    # Token log-probabilities exist only for Flash Next on one GPU (docs/api.md), so not "logprobs".
-    base_capabilities: ClassVar[frozenset[str]] = frozenset({"chat", "completions", "tools", "decisions"})
+    # docs/api.md "Route" table: /v1/chat/completions (with tools), /v1/completions, /v1/messages and
+    # /v1/messages/count_tokens, /tokenize and /v1/tokenize, /detokenize and /v1/detokenize, POST
+    # /v1/responses, GET and DELETE /v1/responses/{id}, /v1/decisions. No embeddings, rerank, score,
+    # audio or /v1/responses/input_tokens. Token log-probabilities exist only for Flash Next on one
+    # GPU (docs/api.md), so not "logprobs".
+    base_capabilities: ClassVar[frozenset[str]] = frozenset({
+        "chat", "completions", "tools", "decisions", "messages", "tokenize", "tokenize_v1", "responses",
+        "responses_get", "responses_delete"})
     unix_socket: ClassVar[bool] = False  # TCP only (src/tensorfold/cli.py binds (host, port))
+
+    def check_task(self, deployment: DeploymentSpec) -> None:
+        if deployment.task != "generate":
+            raise unsupported_task(deployment, "TensorFold", "it serves text generation only (docs/api.md lists no "
+                                   "embeddings or rerank route); use task: generate, or llama.cpp, vLLM or SGLang")
 
     def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
         # TensorFold has level 2 only: weights and KV released, re-read on wake (docs/model-sleep.md).
         return 0
+
+    def park_tier_refusal(self, deployment: DeploymentSpec, tier: str) -> str | None:
+        if tier == "host_backed":
+            return "TensorFold's sleep prototype has level 2 only (docs/model-sleep.md): use park_tier: deep"
+        if deployment.gpus_needed != 1 or deployment.nodes != 1:
+            return "TensorFold sleeps only on one CUDA GPU on one machine (docs/model-sleep.md)"
+        return None
 
     def park_method(self, target: LaunchContext | DeploymentSpec) -> ParkMethod:
         if not in_place_allowed(target):
@@ -96,6 +114,7 @@ class TensorFoldAdapter(EngineAdapter):
         return model_type(ctx.model_path) in SLEEP_FAMILIES
 
     def build_launch(self, ctx: LaunchContext) -> LaunchPlan:
+        self.check_task(ctx.deployment)
         venv = require_path(ctx)
         dep = ctx.deployment
         if dep.tensor_parallel > 1 or ctx.nnodes > 1:
@@ -110,12 +129,16 @@ class TensorFoldAdapter(EngineAdapter):
         environment = {**user_environment(ctx), **cuda_environment(ctx),
                        # A unit must not ask GitHub for releases at every start (cli_args.py).
                        "TENSORFOLD_NO_UPDATE_CHECK": "1"}
-        secret_environment = {KEY_ENV_NAME: ctx.key_env}
+        secret_environment: dict[str, str] = {}
+        if ctx.key_file is not None:
+            argv += ["--api-key-file", ctx.key_file]  # docs/api.md "API keys": the unit's credential
+        else:
+            secret_environment[KEY_ENV_NAME] = ctx.key_env
         if self.park_method(ctx) == "in_place":
             if not has_flag(dep.engine_args, SLEEP_FLAG):
                 argv.append(SLEEP_FLAG)
-            # The sleep token is the per-launch key too: only CapyCTL holds it, it reaches the engine
-            # through the 0600 environment file (never argv), and park/wake send it as the bearer.
+            # The sleep token is the per-launch key too: only CapyCTL holds it, the unit's credential
+            # shell exports it from the key credential (never argv), and park/wake send it as the bearer.
             secret_environment[SLEEP_TOKEN_ENV_NAME] = ctx.key_env
         argv += dep.engine_args
         return LaunchPlan(argv=argv, environment=environment, secret_environment=secret_environment,
@@ -140,7 +163,8 @@ class TensorFoldAdapter(EngineAdapter):
             raise EngineError(f"TensorFold /sleep answered {str(body)[:200]!r}, not a sleeping state",
                               code="engine_protocol_error")
 
-    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int) -> None:
+    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int,
+                   model_path: str | None = None) -> None:
         """``POST /wake_up``: returns once the runtime is reloaded (503 and still asleep if that failed)."""
         body = await call(session, "POST", base_url, "/wake_up", key, code="wake_failed", what="TensorFold wake_up")
         if not (isinstance(body, dict) and body.get("ready") is True):

@@ -35,15 +35,18 @@ same Python sources):
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from ..errors import EngineError
-from ..spec import DeploymentSpec
+from ..errors import CapyError, EngineError
+from ..spec import DeploymentSpec, EngineSpec
+from ._parsers import ParserChoice, choose_parsers, parser_flags
 from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call, cuda_environment, has_flag,
-                    in_place_allowed, require_gpus_for_tp, require_path, user_environment)
+                    in_place_allowed, registered_capabilities, require_gpus_for_tp, require_path, user_environment)
 
 KEY_ENV_NAME = "VLLM_API_KEY"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -57,22 +60,134 @@ RESET_PREFIX_CACHE_TRIES = 5
 RESET_PREFIX_CACHE_PAUSE_S = 0.2
 
 
+# Routers by supported task (entrypoints/launchers/api_server/routers.py register_api_routers):
+# - always: /tokenize, /detokenize (entrypoints/serve/tokenize/api_router.py);
+# - "generate" (entrypoints/generate/api_router.py): /v1/chat/completions, /v1/completions,
+#   POST /v1/responses and GET /v1/responses/{response_id} (openai/responses/api_router.py; GET
+#   answers from its store only with VLLM_ENABLE_RESPONSES_API_STORE; no DELETE route), /v1/messages
+#   and /v1/messages/count_tokens (anthropic/api_router.py). Chat answers top_logprobs up to
+#   max_logprobs, 20 by default (config/model.py), which /v1/systemone asks for;
+# - "transcription": /v1/audio/transcriptions (speech_to_text/transcription/api_router.py);
+# - a pooling task (entrypoints/pooling/factories.py register_pooling_api_routers): /v1/embeddings
+#   for "embed" (pooling/embed/api_router.py); /v1/score and /v1/rerank (pooling/scoring/api_router.py)
+#   where pooling/utils.py enable_scoring_api holds: "embed" (bi-encoder scores), or "classify"
+#   with num_labels == 1 (a cross-encoder).
+GENERATION_CAPABILITIES = frozenset({"chat", "completions", "responses", "responses_get", "messages", "tokenize",
+                                     "logprobs"})
+POOLING_CAPABILITIES = {
+    "embed": frozenset({"embeddings", "score", "rerank", "tokenize"}),
+    "rerank": frozenset({"rerank", "score", "tokenize"}),
+}
+# The flags of each task (engine/arg_utils.py --runner, --convert; config/model.py): the pooling
+# runner with the adapter that makes any model an embedder (last token, normalised) or a
+# classifier (model_executor/models/adapters.py as_embedding_model, as_seq_cls_model; models that
+# pool natively are left as they are). "generate" is said explicitly, so vLLM never resolves
+# "--runner auto" to pooling behind the routes declared above.
+TASK_FLAGS = {
+    "generate": ["--runner", "generate"],
+    "embed": ["--runner", "pooling", "--convert", "embed"],
+    "rerank": ["--runner", "pooling", "--convert", "classify"],
+}
+# Architectures (config.json "architectures") whose vLLM class implements SupportsTranscription
+# (model_executor/models/interfaces.py), mapped by model_executor/models/registry.py; "only" where
+# the class sets supports_transcription_only, which leaves the model no "generate" task
+# (v1/worker/gpu_model_runner.py get_supported_generation_tasks).
+TRANSCRIPTION_ARCHITECTURES: dict[str, str] = {
+    "WhisperForConditionalGeneration": "only", "CohereAsrForConditionalGeneration": "only",
+    "FireRedASR2ForConditionalGeneration": "only", "FunASRForConditionalGeneration": "only",
+    "MossTranscribeDiarizeForConditionalGeneration": "only",
+    "Gemma3nForConditionalGeneration": "also", "GlmAsrForConditionalGeneration": "also",
+    "GraniteSpeechForConditionalGeneration": "also", "MoonshotKimiaForCausalLM": "also",
+    "Qwen3ASRForConditionalGeneration": "also", "Qwen3OmniMoeForConditionalGeneration": "also",
+    "VoxtralForConditionalGeneration": "also",
+}
+
+
+def deployment_task(deployment: DeploymentSpec) -> str:
+    """The deployment's task; for ``generate`` (the default), the one its engine_args ask for
+    (``--runner pooling``, ``--convert embed|classify``), as manifests said it before ``task``."""
+    if deployment.task != "generate":
+        return deployment.task
+    return flags_task(deployment.engine_args) or "generate"
+
+
+def flags_task(args: list[str]) -> str | None:
+    """The task engine_args' --runner and --convert ask vLLM for; None when they set neither."""
+    runner, convert = flag_value(args, "--runner"), flag_value(args, "--convert")
+    if convert == "classify":
+        return "rerank"
+    if convert == "embed" or runner == "pooling":
+        return "embed"
+    if runner is not None or convert is not None:
+        return "generate"
+    return None
+
+
+def flag_value(args: list[str], name: str) -> str | None:
+    """The value the user's engine_args give ``name`` (``--name value`` or ``--name=value``), the last one winning."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def transcription_support(model_path: str) -> str | None:
+    """"only", "also" or None: whether the model directory's architecture transcribes audio."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    for arch in architectures if isinstance(architectures, list) else []:
+        if isinstance(arch, str) and arch in TRANSCRIPTION_ARCHITECTURES:
+            return TRANSCRIPTION_ARCHITECTURES[arch]
+    return None
+
+
 class VllmAdapter(EngineAdapter):
     kind = "vllm"
     unix_socket = True  # --uds (entrypoints/launchers/cli_args.py, launcher.py setup_server)
-    # A generate model gets /v1/responses (entrypoints/openai/responses/api_router.py) and
-    # /v1/messages, /v1/messages/count_tokens (entrypoints/anthropic/api_router.py), registered by
-    # entrypoints/generate/api_router.py when "generate" is a supported task; /tokenize and
-    # /detokenize always (entrypoints/serve/tokenize/api_router.py) (vLLM 0.32.0,
-    # entrypoints/launchers/api_server/routers.py), and GET /v1/responses/{response_id} beside
-    # POST /v1/responses (answered from its store only with VLLM_ENABLE_RESPONSES_API_STORE; no
-    # DELETE route). Pooling routes wait for a pooling runner option.
-    base_capabilities = frozenset({"chat", "completions", "responses", "responses_get", "messages", "tokenize"})
+    base_capabilities = GENERATION_CAPABILITIES
+
+    def capabilities(self, engine: EngineSpec, *, deployment: DeploymentSpec | None = None,
+                     model_path: str | None = None) -> frozenset[str]:
+        task = deployment_task(deployment) if deployment is not None else "generate"
+        if task == "generate":
+            transcription = transcription_support(model_path) if model_path is not None else None
+            caps = ({"transcriptions", "tokenize"} if transcription == "only"
+                    else set(GENERATION_CAPABILITIES) | ({"transcriptions"} if transcription else set()))
+        else:
+            caps = set(POOLING_CAPABILITIES[task])
+        return frozenset(caps | registered_capabilities(engine))
+
+    def check_task(self, deployment: DeploymentSpec) -> None:
+        # engine_args that set --runner or --convert replace TASK_FLAGS: they must ask for the same task.
+        asked = flags_task(deployment.engine_args)
+        if deployment.task != "generate" and asked not in (None, deployment.task):
+            raise CapyError(f"deployment {deployment.name!r} sets task: {deployment.task} but its engine_args' "
+                            f"--runner/--convert ask vLLM for {asked}; drop those flags (task sets them)",
+                            code="task_conflict", status=400)
+
+    def parsers(self, deployment: DeploymentSpec, model_path: str | None) -> ParserChoice | None:
+        if deployment_task(deployment) != "generate":
+            return None
+        return choose_parsers(self.kind, deployment, model_path)
 
     def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
-        # Level 1 offloads the weights to host RAM; level 2 discards them
+        # Level 1 (host_backed) offloads the weights to host RAM; level 2 (deep) discards them
         # (device_allocator/sleep_mode_backend.py suspend, vLLM 0.32.0).
-        return model_bytes if deployment.park_level == 1 else 0
+        from ._tiers import in_place_tier
+        return model_bytes if in_place_tier(deployment) == "host_backed" else 0
+
+    def park_tier_refusal(self, deployment: DeploymentSpec, tier: str) -> str | None:
+        # config/model.py: "Sleep mode is not supported on current platform." off CUDA, ROCm and XPU.
+        if deployment.gpus_needed == 0:
+            return ("vLLM's sleep mode exists only on CUDA, ROCm and XPU (config/model.py) and resources.gpus is 0; "
+                    "a CPU deployment parks by stopping (park_tier: restart)")
+        return None
 
     def park_method(self, target: LaunchContext | DeploymentSpec) -> ParkMethod:
         """In place only where vLLM has sleep mode: a launch with GPUs (CUDA, ROCm, XPU). A CPU
@@ -84,6 +199,7 @@ class VllmAdapter(EngineAdapter):
         return "in_place" if target.gpus_needed > 0 else "stop"
 
     def build_launch(self, ctx: LaunchContext) -> LaunchPlan:
+        self.check_task(ctx.deployment)
         venv = require_path(ctx)
         tp = require_gpus_for_tp(ctx)
         user = ctx.deployment.engine_args
@@ -99,6 +215,10 @@ class VllmAdapter(EngineAdapter):
         else:
             argv += ["--host", ctx.host, "--port", str(ctx.port)]
         argv += ["--served-model-name", ctx.deployment.name]
+        if not has_flag(user, "--runner", "--convert"):
+            argv += TASK_FLAGS[deployment_task(ctx.deployment)]
+        if deployment_task(ctx.deployment) == "generate":
+            argv += parser_flags(self.kind, self.parsers(ctx.deployment, ctx.model_path), user)
         env = {**user_environment(ctx), **cuda_environment(ctx)}
         if self.park_method(ctx) == "in_place":
             argv.append("--enable-sleep-mode")
@@ -129,7 +249,8 @@ class VllmAdapter(EngineAdapter):
             raise EngineError(f"vLLM sleep level {level} answered {_short(body)}, not status 'sleeping'",
                               code="park_failed", detail={"path": "/sleep"})
 
-    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int) -> None:
+    async def wake(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int,
+                   model_path: str | None = None) -> None:
         """``POST /wake_up``; after level 2, which discarded the weights: wake ``tags=weights``,
         ``/collective_rpc {"method": "reload_weights"}`` (v1/worker/gpu_worker.py reload_weights),
         wake ``tags=kv_cache``, then ``/reset_prefix_cache``. vLLM resumes scheduling (and the

@@ -2,8 +2,9 @@
 and remote hosts reached over SSH (``SshHost``)."""
 
 from .inventory import (GpuInfo, GpuProcess, HostInventory, NvmlUnavailable, deployment_of_pid, device_nodes,
-                        gpu_inventory, host_inventory)
+                        gpu_inventory, host_inventory, unified_memory_default)
 from .ssh import DBUS_SYSTEM_SOCKET, SshError, SshHost
 
 __all__ = ["DBUS_SYSTEM_SOCKET", "GpuInfo", "GpuProcess", "HostInventory", "NvmlUnavailable", "SshError", "SshHost",
-           "deployment_of_pid", "device_nodes", "gpu_inventory", "host_inventory"]
+           "deployment_of_pid", "device_nodes", "gpu_inventory", "host_inventory",
+           "unified_memory_default"]

@@ -58,6 +58,29 @@ class GpuInfo:
     processes: tuple[GpuProcess, ...] = ()
 
 
+# GPUs whose memory is, for certain, the host's own RAM (one LPDDR pool the CPU and GPU share):
+# NVIDIA GB10 (DGX Spark) and the Jetson modules (Orin, Thor). By NVML's device name. Grace
+# Hopper (GH200) and Grace Blackwell (GB200) are not listed: each GPU there has its own HBM beside
+# the Grace CPU's LPDDR, coherent over NVLink-C2C but two pools, so a host copy of the weights does
+# free HBM; such a host is declared at `capyctl host add --unified-memory` when its operator treats
+# it otherwise.
+UNIFIED_MEMORY_GPU_NAMES = ("GB10", "Orin", "Thor")
+# Superchips whose GPU memory is coherent with the CPU's: the operator says how to treat them.
+COHERENT_GPU_NAMES = ("GH200", "GB200", "GB300")
+
+
+def unified_memory_default(gpu_names: "list[str]") -> bool | None:
+    """Whether a host's GPU and host memory are one pool, where its GPUs' names make that certain:
+    True for known unified-memory parts, False for a host without GPUs or with discrete cards (their
+    own memory), None (the operator must say: host add --unified-memory) for the superchips."""
+    if any(any(part in name for part in COHERENT_GPU_NAMES) for name in gpu_names):
+        return None
+    unified = [any(part in name for part in UNIFIED_MEMORY_GPU_NAMES) for name in gpu_names]
+    if unified and all(unified):
+        return True
+    return False if not any(unified) else None
+
+
 @dataclass(frozen=True)
 class HostInventory:
     """A host's GPUs, RAM (bytes, from /proc/meminfo) and CPUs (those this service may run on).

@@ -32,7 +32,7 @@ from mcp_types import ToolAnnotations
 
 from .. import __version__
 from ..errors import CapyError
-from ._api import ApiError, ManagementApi, OperatorKey
+from ._api import ManagementApi, OperatorKey
 
 log = logging.getLogger("capyctl.mcp")
 
@@ -187,8 +187,9 @@ def build_server(api: ManagementApi) -> MCPServer:
     @server.tool(annotations=ACT, structured_output=True)
     async def drain(host: str = "local", wait_seconds: float | None = None,
                     idempotency_key: str | None = None) -> dict[str, Any]:
-        """Park every deployment running on a host (`local` is this machine). A request may still
-        wake one there afterwards: this empties the host's memory, it does not close the host."""
+        """Close a host to new placements (`local` is this machine) and park every deployment on
+        it, or move one that may run elsewhere. Deployments that may only run there answer
+        host_cordoned until an admin runs `capyctl uncordon host NAME`."""
         return await act("POST", f"/v1/hosts/{host}/drain", None, wait_seconds, idempotency_key)
 
     return server

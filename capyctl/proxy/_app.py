@@ -133,6 +133,7 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
     app.cleanup_ctx.append(_client_session)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)  # describes routes only: no key, like /health
     app.router.add_get("/v1/models", _models)
     for path in JSON_ROUTES:  # forwarded only to engines whose adapter declares the route's capability
         app.router.add_post(path, _json_route)
@@ -383,15 +384,31 @@ async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+async def _openapi(request: web.Request) -> web.Response:
+    from ._openapi import proxy_openapi
+    return web.json_response(proxy_openapi())
+
+
 async def _metrics(request: web.Request) -> web.Response:
     grant = _authorize(request)
     if grant is not None and grant.models is not None:
         # Metrics name every deployment; a key limited to some models must not see the others.
         raise CapyError("This API key may not read metrics.", code="permission_denied", status=403)
     state = request.app[STATE]
-    return web.Response(text=state.metrics.render(state.router.stats()),
-                        content_type="text/plain", charset="utf-8",
+    router = state.router
+    # Optional parts of the Router (a test's fake may have neither).
+    wake_durations = getattr(router, "wake_durations", None)
+    memory = getattr(router, "memory", None)
+    body = state.metrics.render(router.stats(), wake_durations() if wake_durations else None,
+                                await memory() if memory else None)
+    return web.Response(body=body, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
+
+
+def metrics_text(app: web.Application) -> str:
+    """What GET /metrics answers, for a reader in the same process (the dashboard's request rates)."""
+    state = app[STATE]
+    return state.metrics.render(state.router.stats())
 
 
 async def _models(request: web.Request) -> web.Response:

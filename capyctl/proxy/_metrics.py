@@ -1,92 +1,141 @@
-"""Prometheus text exposition (format 0.0.4) for the proxy, without a client library.
+"""Prometheus metrics for the proxy, through ``prometheus_client``.
 
-The proxy owns request counters and durations; queue depth, in-flight requests,
-wakes and parks belong to the controller and are read from ``Router.stats()`` at
-scrape time so the two never disagree.
+The proxy owns request counters and durations. Queue depth, in-flight requests, wakes, parks,
+evictions, wake durations and memory belong to the controller and are read through the
+``Router`` at scrape time (a custom collector), so the two never disagree.
+
+Each application has its own ``CollectorRegistry``: several proxies in one process (tests)
+do not share series. A request costs one counter increment and one histogram observation on
+label children cached per (deployment, route, status), so no label lookup runs per request.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import defaultdict
-from typing import Mapping
+from typing import Iterable, Mapping
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .router import DurationCounts, MemoryGauge
 
 # Seconds. Wide on the right: a request that waits for a wake can take minutes.
 DURATION_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                                        30.0, 60.0, 120.0, 300.0, 600.0)
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+# Without this, every counter and histogram child also exposes a *_created series: twice the
+# scrape for a timestamp nobody graphs.
+prometheus_client.disable_created_metrics()
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
-
-
-def _number(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
-
-
-class _Histogram:
-    __slots__ = ("counts", "total", "count")
+class _RouterCollector(Collector):
+    """What the controller knows, read when Prometheus scrapes."""
 
     def __init__(self) -> None:
-        self.counts = [0] * len(DURATION_BUCKETS)
-        self.total = 0.0
-        self.count = 0
+        self.stats: Mapping[str, Mapping[str, float]] = {}
+        self.wakes: Mapping[str, DurationCounts] = {}
+        self.memory: list[MemoryGauge] = []
 
-    def observe(self, seconds: float) -> None:
-        index = bisect.bisect_left(DURATION_BUCKETS, seconds)
-        if index < len(self.counts):
-            self.counts[index] += 1
-        self.total += seconds
-        self.count += 1
+    def collect(self) -> Iterable[Metric]:
+        stats = self.stats
+        for name, key, family, help_text in (
+            ("capyctl_queue_depth", "queue_depth", GaugeMetricFamily, "Requests waiting for admission."),
+            ("capyctl_in_flight", "in_flight", GaugeMetricFamily, "Requests admitted and not finished."),
+            ("capyctl_ready", "ready", GaugeMetricFamily, "1 when the deployment serves now, else 0."),
+            ("capyctl_wakes", "wakes", CounterMetricFamily, "Wakes and cold starts of a deployment."),
+            ("capyctl_parks", "parks", CounterMetricFamily, "Parks of a deployment (idle, asked, or evicted)."),
+            ("capyctl_evictions", "evictions", CounterMetricFamily,
+             "Parks or stops of a deployment to make room for another one."),
+            # The park record (capyctl/controller/_parking.py park_stats).
+            ("capyctl_park_last_wake_seconds", "park_wake_seconds", GaugeMetricFamily,
+             "Seconds the deployment's latest wake from a park took (0: none measured)."),
+            ("capyctl_park_proof_ok", "park_proof_ok", GaugeMetricFamily,
+             "1 when the latest wake's proof (a greedy generation compared with the one before the park) "
+             "passed or recorded the reference, 0 when it failed or none ran."),
+            ("capyctl_park_proof_failures", "park_proof_failures", GaugeMetricFamily,
+             "Wakes in a row whose proof failed."),
+            ("capyctl_park_retained_bytes", "park_retained_bytes", GaugeMetricFamily,
+             "Memory the latest in-place park was measured still holding (kept charged)."),
+        ):
+            metric = family(name, help_text, labels=["deployment"])
+            for deployment in sorted(stats):
+                metric.add_metric([deployment], float(stats[deployment].get(key, 0)))
+            yield metric
+
+        wakes = HistogramMetricFamily("capyctl_wake_duration_seconds",
+                                      "Time from a wake's (or cold start's) beginning to ready.",
+                                      labels=["deployment"])
+        for deployment in sorted(self.wakes):
+            counts = self.wakes[deployment]
+            buckets = [("+Inf" if bound == float("inf") else prometheus_client.utils.floatToGoString(bound), n)
+                       for bound, n in counts.cumulative()]
+            wakes.add_metric([deployment], buckets, counts.total)
+        yield wakes
+
+        gpu_labels = ["host", "gpu"]
+        total = GaugeMetricFamily("capyctl_gpu_memory_capacity_bytes", "A card's memory CapyCTL may use.",
+                                  labels=gpu_labels)
+        free = GaugeMetricFamily("capyctl_gpu_memory_available_bytes", "A card's free memory, measured (NVML).",
+                                 labels=gpu_labels)
+        reserved = GaugeMetricFamily("capyctl_gpu_memory_reserved_bytes",
+                                     "A card's memory the scheduler has charged to deployments.", labels=gpu_labels)
+        held = GaugeMetricFamily("capyctl_deployment_gpu_memory_bytes",
+                                 "GPU memory a deployment's processes hold on a card, measured (NVML).",
+                                 labels=["deployment", "host", "gpu"])
+        ram_total = GaugeMetricFamily("capyctl_ram_capacity_bytes", "Host RAM CapyCTL may use (less its reserve).",
+                                      labels=["host"])
+        ram_free = GaugeMetricFamily("capyctl_ram_available_bytes", "Host RAM available, measured (MemAvailable).",
+                                     labels=["host"])
+        ram_held = GaugeMetricFamily("capyctl_deployment_ram_bytes",
+                                     "Host RAM a deployment's unit holds, measured (its cgroup).",
+                                     labels=["deployment", "host"])
+        for gauge in self.memory:
+            if gauge.kind == "gpu":
+                labels = [gauge.host, str(gauge.index)]
+                for family, value in ((total, gauge.capacity), (free, gauge.available), (reserved, gauge.reserved)):
+                    if value is not None:
+                        family.add_metric(labels, float(value))
+                for deployment, value in sorted(gauge.held.items()):
+                    held.add_metric([deployment, *labels], float(value))
+            else:
+                for family, value in ((ram_total, gauge.capacity), (ram_free, gauge.available)):
+                    if value is not None:
+                        family.add_metric([gauge.host], float(value))
+                for deployment, value in sorted(gauge.held.items()):
+                    ram_held.add_metric([deployment, gauge.host], float(value))
+        yield from (total, free, reserved, held, ram_total, ram_free, ram_held)
 
 
 class ProxyMetrics:
     def __init__(self) -> None:
-        self._requests: dict[tuple[str, str, str], int] = defaultdict(int)
-        self._durations: dict[tuple[str, str], _Histogram] = defaultdict(_Histogram)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._requests = Counter("capyctl_requests", "Requests answered by the proxy.",
+                                 ["deployment", "route", "status"], registry=self.registry)
+        self._durations = Histogram("capyctl_request_duration_seconds",
+                                    "Time from request to the end of the response.", ["deployment", "route"],
+                                    buckets=DURATION_BUCKETS, registry=self.registry)
+        self._router = _RouterCollector()
+        self.registry.register(self._router)
+        # (deployment, route, status) -> (counter child, histogram child). Bounded: deployments
+        # are the daemon's, routes its own patterns, statuses the few HTTP ones; an unknown
+        # model counts under deployment "".
+        self._children: dict[tuple[str, str, int], tuple] = {}
 
     def record(self, *, deployment: str, route: str, status: int, seconds: float) -> None:
-        self._requests[(deployment, route, str(status))] += 1
-        self._durations[(deployment, route)].observe(seconds)
+        children = self._children.get((deployment, route, status))
+        if children is None:
+            children = self._children[(deployment, route, status)] = (
+                self._requests.labels(deployment, route, str(status)), self._durations.labels(deployment, route))
+        children[0].inc()
+        children[1].observe(seconds)
 
-    def render(self, router_stats: Mapping[str, Mapping[str, float]]) -> str:
-        lines: list[str] = []
-        lines += ["# HELP capyctl_requests_total Requests answered by the proxy.",
-                  "# TYPE capyctl_requests_total counter"]
-        for (deployment, route, status), count in sorted(self._requests.items()):
-            lines.append(f"capyctl_requests_total{_labels(deployment=deployment, route=route, status=status)} "
-                         f"{count}")
-
-        lines += ["# HELP capyctl_request_duration_seconds Time from request to the end of the response.",
-                  "# TYPE capyctl_request_duration_seconds histogram"]
-        for (deployment, route), hist in sorted(self._durations.items()):
-            cumulative = 0
-            for bound, count in zip(DURATION_BUCKETS, hist.counts):
-                cumulative += count
-                labels = _labels(deployment=deployment, route=route, le=_number(bound))
-                lines.append(f"capyctl_request_duration_seconds_bucket{labels} {cumulative}")
-            labels = _labels(deployment=deployment, route=route, le="+Inf")
-            lines.append(f"capyctl_request_duration_seconds_bucket{labels} {hist.count}")
-            base = _labels(deployment=deployment, route=route)
-            lines.append(f"capyctl_request_duration_seconds_sum{base} {_number(hist.total)}")
-            lines.append(f"capyctl_request_duration_seconds_count{base} {hist.count}")
-
-        for name, key, kind, help_text in (
-            ("capyctl_queue_depth", "queue_depth", "gauge", "Requests waiting for admission."),
-            ("capyctl_in_flight", "in_flight", "gauge", "Requests admitted and not finished."),
-            ("capyctl_wakes_total", "wakes", "counter", "Wakes and cold starts of a deployment."),
-            ("capyctl_parks_total", "parks", "counter", "Parks of a deployment."),
-        ):
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            for deployment in sorted(router_stats):
-                value = router_stats[deployment].get(key, 0)
-                lines.append(f"{name}{_labels(deployment=deployment)} {_number(value)}")
-        return "\n".join(lines) + "\n"
+    def render(self, router_stats: Mapping[str, Mapping[str, float]],
+               wake_durations: Mapping[str, DurationCounts] | None = None,
+               memory: list[MemoryGauge] | None = None) -> bytes:
+        """The text exposition (format 0.0.4) of the proxy's series and the router's figures."""
+        self._router.stats = router_stats
+        self._router.wakes = wake_durations or {}
+        self._router.memory = memory or []
+        return prometheus_client.generate_latest(self.registry)

@@ -47,6 +47,57 @@ class Upstream:
     verdict: Callable[[], CapyError | None] | None = field(default=None, compare=False, repr=False)
 
 
+# Seconds a wake (or cold start) took, from the request that asked for it to ready. Wide on the
+# right: a cold start of a large model from disk takes minutes.
+WAKE_BUCKETS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass
+class DurationCounts:
+    """A histogram kept by whoever measures (the controller for wakes), read at scrape time:
+    per bucket of ``bounds`` how many observations fell at or below it (not cumulative)."""
+
+    bounds: tuple[float, ...] = WAKE_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        if not self.counts:
+            self.counts = [0] * len(self.bounds)
+        for i, bound in enumerate(self.bounds):
+            if seconds <= bound:
+                self.counts[i] += 1
+                break
+        self.total += seconds
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """[(bound, observations at or below it)], +Inf last, as Prometheus exposes buckets."""
+        out, running = [], 0
+        counts = self.counts or [0] * len(self.bounds)
+        for bound, n in zip(self.bounds, counts):
+            running += n
+            out.append((bound, running))
+        out.append((float("inf"), self.count))
+        return out
+
+
+@dataclass(frozen=True)
+class MemoryGauge:
+    """One memory domain (a GPU card or a host's RAM) as /metrics shows it; a figure that could
+    not be measured is None and is left out of the exposition, never shown as 0."""
+
+    domain: str  # gpu:<host>:<index> | ram:<host>
+    kind: str  # gpu | ram
+    host: str
+    index: int | None  # the card's index on its host; None for RAM
+    capacity: int | None  # what CapyCTL may use there
+    available: int | None  # measured free now
+    reserved: int | None  # charged to deployments by the scheduler's ledger
+    held: dict[str, int] = field(default_factory=dict)  # deployment -> bytes measured there
+
+
 class Router(Protocol):
     def models(self) -> list[ModelEntry]:
         """Every deployment and alias, with its state. Must not wake anything."""
@@ -63,4 +114,13 @@ class Router(Protocol):
         """
 
     def stats(self) -> dict[str, dict[str, float]]:
-        """Per deployment counters for /metrics: queue_depth, in_flight, wakes, parks."""
+        """Per deployment counters for /metrics: queue_depth, in_flight, wakes, parks, evictions
+        (parks to make room for another deployment) and ready (1 or 0). Must be cheap: no I/O."""
+
+    # Optional: a router without these (a test's fake) exposes no wake durations or memory.
+    def wake_durations(self) -> dict[str, DurationCounts]:
+        """Per deployment, how long its wakes and cold starts took (to ready)."""
+
+    async def memory(self) -> list[MemoryGauge]:
+        """Every memory domain with what each deployment holds there; measurements may be a
+        couple of seconds old (they are shared with GET /v1/usage)."""

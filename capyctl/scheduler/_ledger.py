@@ -63,6 +63,8 @@ class Ledger:
         self._active: dict[str, dict[str, int]] = {}  # domain -> deployment -> bytes
         self._pending: dict[str, dict[str, int]] = {}  # domain -> deployment -> bytes, oldest first
         self._external: dict[str, int] = {}
+        # domain -> bytes a deployment parked in place was measured still holding (``retain``).
+        self._retained: dict[str, dict[str, int]] = {}
         for host in hosts:
             self.add_host(host)
 
@@ -132,11 +134,28 @@ class Ledger:
         self._commit(Placement(deployment, current.host, current.gpus, current.footprint, state,
                                self._resolve_in_place(current.footprint, state, in_place)))
 
+    def retain(self, deployment: str, held: Mapping[str, int]) -> None:
+        """A deployment parked in place was measured after its park (NVML per process, its cgroup)
+        still holding ``held`` bytes per domain: that much stays charged (at least its tier's
+        charge), taken back from its pending release, until it wakes, stops or is measured again."""
+        current = self.get(deployment)
+        if current is None or not current.parked_in_place:
+            return
+        before = self._charges(current)
+        self._retained[deployment] = {d: int(v) for d, v in held.items() if d in self._domains and v > 0}
+        self._apply_charges(deployment, before, self._charges(current), absorb=True)
+
+    def retained(self, deployment: str) -> dict[str, int]:
+        """What ``retain`` recorded for a deployment still parked in place (empty otherwise)."""
+        current = self.get(deployment)
+        return dict(self._retained.get(deployment, {})) if current is not None and current.parked_in_place else {}
+
     def forget(self, deployment: str) -> None:
         """Drop a deleted deployment; what it held stays pending release."""
         if deployment in self._placements:
             self._apply_charges(deployment, self._charges(self._placements[deployment]), {}, absorb=False)
             del self._placements[deployment]
+            self._retained.pop(deployment, None)
 
     def get(self, deployment: str) -> Placement | None:
         return self._placements.get(deployment)
@@ -288,6 +307,7 @@ class Ledger:
         other._active = {d: dict(v) for d, v in self._active.items()}
         other._pending = {d: dict(v) for d, v in self._pending.items()}
         other._external = dict(self._external)
+        other._retained = {d: dict(v) for d, v in self._retained.items()}
         return other
 
     # -- internals --------------------------------------------------------------------------
@@ -324,13 +344,18 @@ class Ledger:
                     charges[dom] = fp.gpu_need(self._domains[dom].capacity)
             charges[ram_domain(placement.host)] = fp.ram
             return {d: v for d, v in charges.items() if v > 0}
-        if placement.parked_in_place and fp.parked_ram:
-            return {ram_domain(placement.host): fp.parked_ram}
+        if placement.parked_in_place:
+            charges = {ram_domain(placement.host): fp.parked_ram} if fp.parked_ram else {}
+            for dom, held in self._retained.get(placement.deployment, {}).items():
+                charges[dom] = max(charges.get(dom, 0), held)
+            return charges
         return {}
 
     def _commit(self, new: Placement) -> None:
         old = self._placements.get(new.deployment)
         old_charges = self._charges(old) if old is not None else {}
+        if not new.parked_in_place:
+            self._retained.pop(new.deployment, None)  # measured for that park only
         # Only a wake from parked in place re-takes memory the same process just released.
         absorb = old is not None and old.parked_in_place and new.state in FULL_STATES
         self._placements[new.deployment] = new

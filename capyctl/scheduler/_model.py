@@ -135,6 +135,9 @@ class Candidate:
     busy: bool = False
     never_evict: bool = False
     idle_park_after: float | None = None
+    # How long its latest wake took (the park record's wake_seconds); the planner evicts the
+    # deployments that come back cheaply first (planner.wake_cost_class). None: not measured.
+    wake_seconds: float | None = None
 
 
 class Victim(NamedTuple):

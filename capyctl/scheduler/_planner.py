@@ -37,7 +37,7 @@ MAX_CARD_SETS = 256
 class _Item:
     """One possible victim for one placement option."""
 
-    last_used: float
+    eviction_order: tuple[int, float]  # (wake cost class, last used): smaller is evicted first
     deployment: str
     vector: tuple[int, ...]  # bytes it frees on each short domain, if stopped
 
@@ -53,12 +53,12 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
 
     A deployment parked in place wakes where it is (its process and weights are there). Otherwise
     every allowed host is tried, and on each every set of ``footprint.gpus`` identical cards (same
-    model name and total memory). The winner has the fewest victims, then the least recently
-    used victims, then the tightest fit (the least memory left over on its cards, keeping large
+    model name and total memory). The winner has the fewest victims, then the victims cheapest to
+    wake again (their measured wake time, by wake_cost_class) and least recently used, then the tightest fit (the least memory left over on its cards, keeping large
     holes for large models), then the earlier host and lower card indices.
 
     ``now`` is part of the interface for rules that weigh idle time; the current rule orders
-    victims by ``last_used`` alone.
+    victims by their wake cost class, then ``last_used``.
     Raises ``NoRoom`` (code ``no_room``) when no option works even after evicting every idle
     candidate, ``Conflict`` when the deployment is itself parking or stopping, and a
     ``CapyError`` with code ``ledger_out_of_sync`` when a candidate's state is not the ledger's.
@@ -105,9 +105,9 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
             continue
         short = [dom for dom, need in needs.items() if need > avail[dom]]
         items = sorted(
-            (_Item(c.last_used, c.deployment, tuple(held.get(dom, 0) for dom in short))
+            (_Item(eviction_order(c), c.deployment, tuple(held.get(dom, 0) for dom in short))
              for c, held in eligible_by_host[option.host]),
-            key=lambda it: (it.last_used, it.deployment))
+            key=lambda it: (it.eviction_order, it.deployment))
         items = [it for it in items if any(it.vector)]
         max_k = len(items) if best_key is None else min(len(items), best_key[0])
         chosen = _fewest_victims(items, tuple(needs[d] - avail[d] for d in short), max_k)
@@ -167,8 +167,8 @@ def _card_cost(ledger: Ledger, request: Request, domain: str, activity: dict[str
     need = request.footprint.gpu_need(ledger.domains[domain].capacity)
     deficit = need - ledger.free(domain)
     host = ledger.domains[domain].host
-    items = sorted((_Item(c.last_used, c.deployment, (held[domain],)) for c, held in _eligible(ledger, host, activity)
-                    if held.get(domain, 0) > 0), key=lambda it: (it.last_used, it.deployment))
+    items = sorted((_Item(eviction_order(c), c.deployment, (held[domain],)) for c, held in _eligible(ledger, host, activity)
+                    if held.get(domain, 0) > 0), key=lambda it: (it.eviction_order, it.deployment))
     chosen = _fewest_in_component(items, (deficit,), len(items))
     if chosen is None:
         return (1, 0, (), -ledger.free(domain))
@@ -227,8 +227,26 @@ def _eligible(ledger: Ledger, host: str, activity: dict[str, Candidate]) -> list
 
 # -- the covering search ---------------------------------------------------------------------------
 
+# Wake times (seconds, measured for each deployment's latest wake) that count as the same cost: a
+# victim whose wake is cheap (a host_backed park, a small model) is evicted before one that is
+# costly to bring back; within a class, the least recently used goes first.
+WAKE_COST_CLASSES = (1.0, 10.0, 60.0)
+
+
+def wake_cost_class(wake_seconds: float | None) -> int:
+    """0 for a wake under a second ... len(WAKE_COST_CLASSES) for the slowest; an unmeasured wake
+    counts as the second class (a few seconds: a stop and start of a small model)."""
+    if wake_seconds is None:
+        return 1
+    return next((i for i, bound in enumerate(WAKE_COST_CLASSES) if wake_seconds < bound), len(WAKE_COST_CLASSES))
+
+
+def eviction_order(candidate: Candidate) -> tuple[int, float]:
+    return (wake_cost_class(candidate.wake_seconds), candidate.last_used)
+
+
 def _lru_key(chosen: Sequence[_Item]) -> tuple:
-    return tuple(sorted(((it.last_used, it.deployment) for it in chosen), reverse=True))
+    return tuple(sorted(((it.eviction_order, it.deployment) for it in chosen), reverse=True))
 
 
 def _fewest_victims(items: list[_Item], deficit: tuple[int, ...], max_k: int) -> list[_Item] | None:
@@ -260,13 +278,13 @@ def _fewest_victims(items: list[_Item], deficit: tuple[int, ...], max_k: int) ->
     chosen: list[_Item] = []
     for dims in components.values():
         part = _fewest_in_component(
-            [_Item(it.last_used, it.deployment, tuple(it.vector[d] for d in dims))
+            [_Item(it.eviction_order, it.deployment, tuple(it.vector[d] for d in dims))
              for it in items if any(it.vector[d] > 0 for d in dims)],
             tuple(deficit[d] for d in dims), max_k - len(chosen))
         if part is None:
             return None
         chosen += [by_name[it.deployment] for it in part]
-    return sorted(chosen, key=lambda it: (it.last_used, it.deployment))
+    return sorted(chosen, key=lambda it: (it.eviction_order, it.deployment))
 
 
 def _fewest_in_component(items: list[_Item], deficit: tuple[int, ...], max_k: int) -> list[_Item] | None:
@@ -320,7 +338,7 @@ def _actions(ledger: Ledger, host: str, chosen: list[_Item], ram_slack: int) -> 
     """Park each victim that can park in place while its parked footprint still fits in the RAM
     left over, the most recently used first (the likeliest to be asked for again); stop the rest."""
     actions: dict[str, str] = {}
-    for it in sorted(chosen, key=lambda it: (it.last_used, it.deployment), reverse=True):
+    for it in sorted(chosen, key=lambda it: (it.eviction_order, it.deployment), reverse=True):
         placed = ledger.get(it.deployment)
         assert placed is not None
         parked_ram = placed.footprint.parked_ram

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,7 +21,18 @@ ENGINE_KIND_ALIASES = {
     "tensorfold": "tensorfold", "custom": "custom",
 }
 # "decisions": the engine answers TensorFold's POST /v1/decisions, onto which the proxy maps /v1/systemone.
-CAPABILITIES = ("chat", "completions", "embeddings", "systemone", "logprobs", "tools", "decisions")
+# The others name the client routes of capyctl/proxy/_routes.py an engine answers.
+Capability = Literal["chat", "completions", "embeddings", "systemone", "logprobs", "tools", "decisions",
+                     "responses", "response_input_tokens", "responses_get", "responses_delete", "messages",
+                     "tokenize", "tokenize_v1", "rerank", "score", "transcriptions"]
+CAPABILITIES: tuple[str, ...] = get_args(Capability)
+# What a deployment's engine is started to serve (DeploymentSpec.task): text generation, embedding
+# vectors, or reranking; each adapter turns it into its engine's flags.
+DeploymentTask = Literal["generate", "embed", "rerank"]
+# What a park keeps (DeploymentSpec.park_tier); park_level, its older spelling, maps 1 and 2 onto it.
+ParkTier = Literal["restart", "host_backed", "deep"]
+PARK_LEVEL_TIERS = {1: "host_backed", 2: "deep"}
+PARSER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 class _Strict(BaseModel):
@@ -106,8 +117,34 @@ class DeploymentSpec(_Strict):
                        "multi-node mode (vLLM, SGLang): one member on each of the first `nodes` hosts, head first.")
     engine_args: list[str] = Field(default_factory=list, description="Extra arguments appended to the engine's command line.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
+    task: DeploymentTask = Field(
+        default="generate", description="What the engine is started to serve. `generate`: text generation "
+        "(chat, completions, Responses, Messages). `embed`: vectors on /v1/embeddings (llama-server "
+        "`--embeddings`, with `--pooling last` when the GGUF names no pooling; vLLM `--runner pooling "
+        "--convert embed`, which also serves /v1/score and /v1/rerank; SGLang `--is-embedding`). `rerank`: "
+        "/v1/rerank with a reranker model (llama-server `--reranking`; vLLM `--runner pooling --convert "
+        "classify`, also /v1/score; SGLang `--is-embedding` with a cross-encoder). TensorFold serves "
+        "`generate` only. Unset, the engine's own flags in `engine_args` (`--embeddings`, `--runner pooling`, "
+        "`--is-embedding` ...) decide.")
     park: Literal["auto", "stop", "never"] = Field(default="auto", description="auto: the engine's own park if it has one, else stop; stop: always stop; never: never parked or evicted.")
-    park_level: Literal[1, 2] = Field(default=1, description="vLLM sleep level: 1 keeps weights in host RAM, 2 drops them.")
+    park_tier: ParkTier | None = Field(
+        default=None, description="What a park keeps. `restart`: stop the unit, start it again on wake. "
+        "`host_backed`: weights kept in host RAM, KV cache dropped (vLLM sleep level 1; SGLang launched with "
+        "`--enable-weights-cpu-backup`); refused on a host whose GPU and host memory are one pool, where it "
+        "frees nothing. `deep`: weights and KV cache released, the weights re-read from disk on wake (vLLM "
+        "sleep level 2; SGLang's memory saver). A tier the engine or host cannot deliver is refused at "
+        "deploy. Unset: `restart` with `park: stop`, else `host_backed` (`deep` on a unified-memory host) "
+        "where the engine parks in place.")
+    park_level: Literal[1, 2] | None = Field(
+        default=None, description="Deprecated alias of `park_tier`: 1 is `host_backed`, 2 is `deep`.")
+    tool_call_parser: str = Field(
+        default="auto", pattern=PARSER_PATTERN, description="vLLM and SGLang: `--tool-call-parser`. `auto`: "
+        "chosen from the model's family (config.json `model_type`) and chat template; `none`: no parser "
+        "(tool calls stay text in `content`); else a parser name the engine registers. The same option "
+        "in `engine_args` wins.")
+    reasoning_parser: str = Field(
+        default="auto", pattern=PARSER_PATTERN, description="vLLM and SGLang: `--reasoning-parser`, chosen "
+        "as `tool_call_parser` is (`auto`, `none` or a name).")
     idle_park_after: Duration | None = Field(default=None, description="Park after this long with no request (10m, 1h); unset: only to make room.")
     queue: int = Field(default=64, ge=1, le=100000, description="Most requests that may wait for this deployment; more get 429.")
     timeouts: Timeouts = Field(default_factory=Timeouts)
@@ -156,7 +193,24 @@ class DeploymentSpec(_Strict):
                              "a multi-node deployment lists the hosts its members run on, head first")
         if self.resources.gpu_memory is not None and self.resources.gpus == 0:
             raise ValueError("resources.gpu_memory is set but resources.gpus is 0")
+        if self.park_tier is not None and self.park_level is not None \
+                and PARK_LEVEL_TIERS[self.park_level] != self.park_tier:
+            raise ValueError(f"park_tier is {self.park_tier} but park_level is {self.park_level} "
+                             f"({PARK_LEVEL_TIERS[self.park_level]}); give park_tier alone")
+        if self.park == "stop" and self.park_tier not in (None, "restart"):
+            raise ValueError(f"park is stop but park_tier is {self.park_tier}: a park that stops the unit "
+                             "keeps nothing; set park_tier: restart or park: auto")
         return self
+
+    @property
+    def declared_park_tier(self) -> str | None:
+        """The tier the manifest asks for, or None: the engine's and host's default. ``park_level``
+        (the older spelling, which manifests and stored revisions carry) counts as a preference only:
+        it was written before tiers were checked, so park_tier.resolve_park_tier uses it where it
+        can be delivered and never refuses a deployment for it."""
+        if self.park == "stop":
+            return "restart"
+        return self.park_tier
 
     @property
     def gpus_needed(self) -> int:
@@ -185,10 +239,13 @@ class EngineSpec(_Strict):
     park: HttpCall | None = Field(default=None, description="custom: HTTP call that releases GPU memory in place.")
     wake: HttpCall | None = Field(default=None, description="custom: HTTP call that restores it.")
     env: dict[str, str] = Field(default_factory=dict)
-    capabilities: list[Literal["chat", "completions", "embeddings", "systemone", "logprobs", "tools",
-                               "decisions", "responses", "response_input_tokens", "responses_get",
-                               "responses_delete", "messages", "tokenize", "rerank"]] = Field(
-        default_factory=lambda: ["chat", "completions"])
+    capabilities: list[Capability] = Field(
+        default_factory=lambda: ["chat", "completions"],
+        description="custom: the client routes the server answers, by capability: chat, completions, embeddings, "
+        "responses, response_input_tokens, responses_get, responses_delete, messages (/v1/messages and "
+        "count_tokens), tokenize (/tokenize, /detokenize), tokenize_v1 (/v1/tokenize), rerank, score, "
+        "transcriptions, systemone, decisions, logprobs, tools. A built-in engine's list adds to what its "
+        "adapter declares.")
 
     @field_validator("type", mode="before")
     @classmethod

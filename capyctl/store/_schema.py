@@ -61,4 +61,22 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE hosts ADD COLUMN known_hosts TEXT;
     """,
+    # 3: hosts closed to new placements (capyctl drain host); "local" included, hence its own table
+    """
+    CREATE TABLE cordons (
+        host        TEXT PRIMARY KEY,
+        reason      TEXT,
+        created_at  REAL NOT NULL
+    );
+    """,
+    # 4: whether a host's GPU and host memory are one pool (NULL: not declared), and each
+    # deployment's park record (tier reached, wake seconds, proof after wake, the proof's reference)
+    """
+    ALTER TABLE hosts ADD COLUMN unified_memory INTEGER;
+    CREATE TABLE park_records (
+        deployment  TEXT PRIMARY KEY,
+        record_json TEXT NOT NULL,
+        updated_at  REAL NOT NULL
+    );
+    """,
 ]

@@ -78,6 +78,7 @@ class Host:
     identity: str | None
     created_at: float
     known_hosts: str | None = None  # the known_hosts file an SSH host's key is checked against
+    unified_memory: bool | None = None  # GPU and host memory are one pool (None: not declared)
 
 
 def spec_hash(spec: DeploymentSpec) -> str:
@@ -322,22 +323,62 @@ class Store:
     # -- hosts ------------------------------------------------------------------------------
 
     def put_host(self, name: str, kind: str, *, address: str | None = None, port: int | None = None,
-                 identity: str | None = None, known_hosts: str | None = None) -> Host:
+                 identity: str | None = None, known_hosts: str | None = None,
+                 unified_memory: bool | None = None) -> Host:
         now = time.time()
         with self._tx() as db:
             if db.execute("SELECT 1 FROM hosts WHERE name=?", (name,)).fetchone():
                 raise Conflict(f"a host named {name!r} exists already", code="host_exists")
-            db.execute("INSERT INTO hosts(name, kind, address, port, identity, created_at, known_hosts) "
-                       "VALUES (?,?,?,?,?,?,?)", (name, kind, address, port, identity, now, known_hosts))
-        return Host(name, kind, address, port, identity, now, known_hosts)
+            db.execute("INSERT INTO hosts(name, kind, address, port, identity, created_at, known_hosts, "
+                       "unified_memory) VALUES (?,?,?,?,?,?,?,?)",
+                       (name, kind, address, port, identity, now, known_hosts,
+                        None if unified_memory is None else int(unified_memory)))
+        return Host(name, kind, address, port, identity, now, known_hosts, unified_memory)
 
     def list_hosts(self) -> list[Host]:
-        return [Host(**dict(r)) for r in self._rows("SELECT * FROM hosts ORDER BY name")]
+        hosts = []
+        for row in self._rows("SELECT * FROM hosts ORDER BY name"):
+            fields = dict(row)
+            if fields.get("unified_memory") is not None:
+                fields["unified_memory"] = bool(fields["unified_memory"])
+            hosts.append(Host(**fields))
+        return hosts
+
+    # -- park records (tier reached, wake seconds, proof after wake) ----------------------------
+
+    def put_park_record(self, deployment: str, record: dict) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO park_records(deployment, record_json, updated_at) VALUES (?,?,?)",
+                       (deployment, json.dumps(record), time.time()))
+
+    def park_record(self, deployment: str) -> dict | None:
+        rows = self._rows("SELECT record_json FROM park_records WHERE deployment=?", deployment)
+        return json.loads(rows[0]["record_json"]) if rows else None
+
+    def remove_park_record(self, deployment: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM park_records WHERE deployment=?", (deployment,))
 
     def remove_host(self, name: str) -> None:
         with self._tx() as db:
             if db.execute("DELETE FROM hosts WHERE name=?", (name,)).rowcount == 0:
                 raise NotFound(f"no host named {name!r}", code="host_not_found")
+
+    # -- cordons (hosts closed to new placements) ---------------------------------------------
+
+    def cordon(self, host: str, reason: str | None = None) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO cordons(host, reason, created_at) VALUES (?,?,?)",
+                       (host, reason, time.time()))
+
+    def uncordon(self, host: str) -> bool:
+        """Whether the host was cordoned."""
+        with self._tx() as db:
+            return db.execute("DELETE FROM cordons WHERE host=?", (host,)).rowcount > 0
+
+    def cordons(self) -> dict[str, float]:
+        """Cordoned host -> when it was cordoned."""
+        return {r["host"]: r["created_at"] for r in self._rows("SELECT host, created_at FROM cordons")}
 
     # -- idempotency (management API's Idempotency-Key) ---------------------------------------
 

@@ -26,6 +26,14 @@ GPU_CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-too
 # workers), netlink (interface discovery in NCCL/gloo).
 _ADDRESS_FAMILIES = ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]
 
+# A credential's name is a file name in the unit's credentials directory (systemd.exec(5)
+# "LoadCredential=": no "/", not "." or "..").
+_CREDENTIAL_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,200}$")
+# MS_REC (linux/mount.h): BindReadOnlyPaths= binds recursively, as its unit-file form does.
+_MS_REC = 16384
+# The shell that exports credentials as environment variables (credential_environment).
+CREDENTIAL_SHELL = "/bin/sh"
+
 
 @dataclass
 class TransientUnit:
@@ -62,6 +70,36 @@ class TransientUnit:
     # socket, nothing on the machine can reach it over TCP either.
     private_network: bool = False
     hardening: bool = True
+    # DynamicUser=yes: a uid/gid of its own, allocated at start and released at stop, that owns
+    # nothing on the machine; systemd makes the unit's runtime/cache directories its own.
+    dynamic_user: bool = False
+    # PrivateUsers=yes: a user namespace with only root and the unit's own user mapped.
+    private_users: bool = False
+    # Groups for device nodes that are not open to everyone (/dev/dri/renderD* "render").
+    supplementary_groups: list[str] = field(default_factory=list)
+    # "read-only" (homes visible, read-only) or "tmpfs" (empty homes; bind back what is needed).
+    protect_home: str = "read-only"
+    # Paths made visible read-only at the same place (BindReadOnlyPaths=): under an empty home
+    # (protect_home="tmpfs") or a hidden directory (temporary_file_systems) they reappear alone.
+    bind_read_only_paths: list[str] = field(default_factory=list)
+    # Directories replaced by an empty read-only tmpfs (TemporaryFileSystem=PATH:ro): nothing in
+    # them is visible but what bind_read_only_paths brings back.
+    temporary_file_systems: list[str] = field(default_factory=list)
+    # Paths the unit cannot open at all (InaccessiblePaths=, "-": no error when absent).
+    inaccessible_paths: list[str] = field(default_factory=list)
+    # Credentials by name -> the file systemd reads (as root, before any sandboxing) and places
+    # 0400, owned by the unit's user, in /run/credentials/<unit>/<name> (LoadCredential=).
+    credentials: dict[str, str] = field(default_factory=dict)
+    # The names among ``credentials`` whose file is encrypted (``systemd-creds encrypt``, with the
+    # host's key and the TPM2 where there is one): loaded with LoadCredentialEncrypted=, so the
+    # secret is never on disk in the clear; systemd decrypts it as it starts the unit.
+    encrypted_credentials: frozenset[str] = frozenset()
+    # Environment variables set at exec time from a credential, by name: for engines that read
+    # their key only from the environment. A shell reads the credential file and execs argv;
+    # the value is in neither the unit's properties nor any command line.
+    credential_environment: dict[str, str] = field(default_factory=dict)
+    # CacheDirectory= (relative to /var/cache): the engine's own caches, owned by its user.
+    cache_directory: str | None = None
     # KillMode=mixed: SIGTERM to the main process, SIGKILL to stragglers after the timeout.
     stop_timeout: float = 30.0
 
@@ -90,6 +128,35 @@ class TransientUnit:
         if self.runtime_directory is not None and (
                 self.runtime_directory.startswith("/") or ".." in self.runtime_directory.split("/")):
             raise SystemdError("The runtime directory must be a relative path below /run.", code="invalid_unit")
+        if self.cache_directory is not None and (
+                self.cache_directory.startswith("/") or ".." in self.cache_directory.split("/")):
+            raise SystemdError("The cache directory must be a relative path below /var/cache.", code="invalid_unit")
+        if self.protect_home not in ("read-only", "tmpfs", "yes"):
+            raise SystemdError(f"ProtectHome={self.protect_home} is not one CapyCTL uses.", code="invalid_unit")
+        for path in [*self.bind_read_only_paths, *self.temporary_file_systems, *self.inaccessible_paths,
+                     *self.credentials.values()]:
+            if not path.startswith("/") or ":" in path:
+                raise SystemdError(f"'{path}' must be an absolute path without ':'.", code="invalid_unit")
+        for name in self.credentials:
+            if not _CREDENTIAL_NAME.match(name) or name in (".", ".."):
+                raise SystemdError(f"'{name}' is not a valid credential name.", code="invalid_unit")
+        if not self.encrypted_credentials <= self.credentials.keys():
+            raise SystemdError("An encrypted credential is not among the unit's credentials.", code="invalid_unit")
+        for env, credential in self.credential_environment.items():
+            if not _ENV_NAME.match(env):
+                raise SystemdError(f"'{env}' is not a valid environment variable name.", code="invalid_unit")
+            if credential not in self.credentials:
+                raise SystemdError(f"Variable {env} names credential '{credential}', which the unit does not load.",
+                                   code="invalid_unit")
+
+    def exec_argv(self) -> list[str]:
+        """The command systemd runs: argv itself, or the credential shell that exports
+        credential_environment and then execs argv (same pid, so Type=exec and signals still
+        reach the engine)."""
+        if not self.credential_environment:
+            return list(self.argv)
+        return [CREDENTIAL_SHELL, "-c", credential_environment_script(self.credential_environment),
+                "capyctl-credentials", *self.argv]
 
     def environment_entries(self) -> list[str]:
         entries = [f"{k}={v}" for k, v in self.environment.items()]
@@ -104,7 +171,8 @@ class TransientUnit:
             ("Slice", Variant("s", self.slice)),
             # exec: the start job fails when the binary cannot be executed, not later.
             ("Type", Variant("s", "exec")),
-            ("ExecStart", Variant("a(sasb)", [[self.argv[0], [escape_dollars(a) for a in self.argv], False]])),
+            ("ExecStart", Variant("a(sasb)", [[self.exec_argv()[0], [escape_dollars(a) for a in self.exec_argv()],
+                                               False]])),
             ("Environment", Variant("as", self.environment_entries())),
             # CapyCTL owns the restart policy: a crash must surface to it, not be hidden.
             ("Restart", Variant("s", "no")),
@@ -142,6 +210,28 @@ class TransientUnit:
             props.append(("RuntimeDirectoryMode", Variant("u", self.runtime_directory_mode)))
         if self.private_network:
             props.append(("PrivateNetwork", Variant("b", True)))
+        if self.dynamic_user:
+            props.append(("DynamicUser", Variant("b", True)))
+        if self.private_users:
+            props.append(("PrivateUsers", Variant("b", True)))
+        if self.supplementary_groups:
+            props.append(("SupplementaryGroups", Variant("as", list(self.supplementary_groups))))
+        plain = [[n, p] for n, p in self.credentials.items() if n not in self.encrypted_credentials]
+        sealed = [[n, p] for n, p in self.credentials.items() if n in self.encrypted_credentials]
+        if plain:
+            props.append(("LoadCredential", Variant("a(ss)", plain)))
+        if sealed:
+            props.append(("LoadCredentialEncrypted", Variant("a(ss)", sealed)))
+        if self.cache_directory is not None:
+            props.append(("CacheDirectory", Variant("as", [self.cache_directory])))
+            props.append(("CacheDirectoryMode", Variant("u", 0o700)))
+        if self.temporary_file_systems:
+            props.append(("TemporaryFileSystem", Variant("a(ss)", [[p, "ro"] for p in self.temporary_file_systems])))
+        if self.bind_read_only_paths:
+            props.append(("BindReadOnlyPaths", Variant("a(ssbt)", [[p, p, False, _MS_REC]
+                                                                   for p in self.bind_read_only_paths])))
+        if self.inaccessible_paths:
+            props.append(("InaccessiblePaths", Variant("as", ["-" + p for p in self.inaccessible_paths])))
         if self.devices:
             allowed = list(dict.fromkeys([*self.devices, *GPU_CONTROL_DEVICES]))
             props.append(("DevicePolicy", Variant("s", "closed")))
@@ -154,7 +244,7 @@ class TransientUnit:
         props = [
             ("NoNewPrivileges", Variant("b", True)),
             ("ProtectSystem", Variant("s", "strict")),
-            ("ProtectHome", Variant("s", "read-only")),
+            ("ProtectHome", Variant("s", self.protect_home)),
             ("PrivateTmp", Variant("b", True)),
             ("ProtectKernelTunables", Variant("b", True)),
             ("ProtectKernelModules", Variant("b", True)),
@@ -185,6 +275,23 @@ class TransientUnit:
         if self.read_write_paths:
             props.append(("ReadWritePaths", Variant("as", list(self.read_write_paths))))
         return props
+
+
+def credential_environment_script(names: dict[str, str]) -> str:
+    """A POSIX shell script: each variable from its credential file (the first line), then exec "$@".
+
+    ``read`` is a shell builtin, so the value is never an argument of any process. A credential
+    that cannot be read stops the start (set -e) rather than starting the engine without its key.
+    """
+    by_credential: dict[str, list[str]] = {}
+    for env, credential in sorted(names.items()):
+        by_credential.setdefault(credential, []).append(env)
+    lines = ["set -e"]
+    for credential, envs in by_credential.items():
+        lines.append(f'IFS= read -r capyctl_value < "$CREDENTIALS_DIRECTORY/{credential}" || [ -n "$capyctl_value" ]')
+        lines.append("export " + " ".join(f'{env}="$capyctl_value"' for env in envs))
+    lines += ["unset capyctl_value", 'exec "$@"']
+    return "\n".join(lines)
 
 
 def escape_dollars(arg: str) -> str:

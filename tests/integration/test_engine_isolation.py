@@ -38,9 +38,9 @@ def test_only_capyctl_reaches_the_engine_and_no_key_is_in_argv(capyhost, smollm2
 
     # Root on the machine reaches the socket (that is CapyCTL) ...
     assert _curl(capyhost, "--unix-socket", socket, "http://engine/health").stdout == "200"
-    # ... another user cannot even open it: the directory is 0700 root.
+    # ... another user cannot even open it: the directory is 0700 and the engine's own (DynamicUser=).
     mode = capyhost.sh("stat", "-c", "%a %U", "/run/capyctl-engine/smol").stdout.split()
-    assert mode == ["700", "root"]
+    assert mode == ["700", "capyctl-smol"]
     for path in ("/health", "/slots", "/v1/chat/completions"):
         denied = _curl(capyhost, "--unix-socket", socket, f"http://engine{path}", as_nobody=True)
         assert denied.stdout == "000" and denied.returncode == 7, denied  # 7: could not connect
@@ -54,7 +54,7 @@ def test_only_capyctl_reaches_the_engine_and_no_key_is_in_argv(capyhost, smollm2
 
     # The per-launch key is in no process's command line (ps shows argv to every user).
     key = capyhost.engine_key("smol")
-    ps = capyhost.sh("ps", "-eo", "args", "--no-headers").stdout
+    ps = capyhost.sh("ps", "-eww", "-o", "args", "--no-headers").stdout
     assert "llama-server" in ps and key not in ps
 
     # The socket directory goes with the unit.

@@ -147,10 +147,17 @@ def test_model_on_b_served_through_a_survives_a_cut_link(federation) -> None:
     listed = {d["name"]: d for d in daemon.cli_json("list", "deployments")}
     assert listed["smollm2"]["hosts"] == ["b"] and listed["smollm2"]["state"] == "ready"
     assert "b" in daemon.cli("list", "deployments").stdout.splitlines()[1].split()
-    # The per-launch key file was written through SSH (the rig shares one filesystem, but CapyCTL
-    # writes only on the host the unit runs on), readable by root alone.
-    secret = daemon.root / "state" / "secrets" / "smollm2.env"
+    # The per-launch key was encrypted through SSH by b's systemd-creds (the rig shares one
+    # filesystem, but CapyCTL writes only on the host the unit runs on), readable by root alone.
+    secret = daemon.root / "state" / "secrets" / "smollm2.cred"
     assert rig.b.exec("stat", "-c", "%a", str(secret)).stdout.strip() == "600"
+    assert not (daemon.root / "state" / "secrets" / "smollm2.key").exists()
+    # On b too the engine runs as a user of its own, its key a credential of its unit (issue 18).
+    assert b_unit(rig, "DynamicUser") == "yes"
+    unit_file = rig.b.exec("systemctl", "cat", UNIT).stdout
+    assert f"LoadCredentialEncrypted=engine-key:{secret}" in unit_file and "EnvironmentFile" not in unit_file
+    pid = b_unit(rig, "MainPID")
+    assert rig.b.exec("ps", "-o", "user=", "-p", pid).stdout.strip() == "capyctl-smollm2"
 
     key = daemon.cli("key", "create", "--name", "fed").stdout.strip()
     assert chat(rig, key, "Say hello.").strip()
@@ -267,8 +274,10 @@ def _run_group_scenario(rig: TwoHostRig, daemon: FederatedDaemon, unit: str) -> 
     assert units() == ("active", "active")
 
     secrets = daemon.root / "state" / "secrets"
-    # Each member's environment file, and SGLang's --config holding the key (never on argv).
-    assert sorted(p.name for p in secrets.glob("grp*")) == ["grp.rank0.env", "grp.rank1.env", "grp.sglang.yaml"]
+    # Each member's key file, and SGLang's --config holding the key (never on argv): credentials of the units.
+    # Encrypted with systemd-creds (LoadCredentialEncrypted=): no clear copy of the key on disk.
+    assert sorted(p.name for p in secrets.glob("grp*")) == ["grp.rank0.cred", "grp.rank1.cred",
+                                                            "grp.sglang.yaml.cred"]
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in secrets.glob("grp*"))
     daemon.cli("delete", "deployment", "grp")
     assert all(state in ("inactive", "failed", "") for state in units())

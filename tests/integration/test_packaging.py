@@ -282,6 +282,9 @@ def test_deb_tree_is_relocated_to_its_final_paths(deb: Path, scratch: Path) -> N
         assert (tree / "lib/systemd/system" / unit).is_file()
     assert "/opt/capyctl/bin/capyctl" in (tree / "lib/systemd/system/capyctl.service").read_text()
     assert (tree / "usr/share/doc/capyctl/quickstart.md").is_file()
+    # The dashboard's static files are package data: installed with the package, served at /ui/.
+    for name in ("index.html", "dashboard.js", "dashboard.css"):
+        assert list(tree.glob(f"opt/capyctl/lib/python3*/site-packages/capyctl/api/ui/{name}")), name
     # Nothing in the package names the directory it was built in.
     # (build.sh stages into mktemp's /tmp/tmp.XXXXXXXXXX/root.)
     grep = subprocess.run(["grep", "-rlIE", r"/tmp/tmp\.[A-Za-z0-9]+/root", str(tree / "opt")],

@@ -151,3 +151,58 @@ async def test_connect_to_a_dead_address_is_dbus_unavailable(tmp_path: Path) -> 
     with pytest.raises(SystemdError) as err:
         await SystemdClient.connect(f"unix:path={tmp_path}/no-bus-here")
     assert err.value.code == "dbus_unavailable"
+
+
+def test_least_privilege_properties() -> None:
+    unit = engine(argv=["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"],
+                  dynamic_user=True, private_users=True, protect_home="tmpfs",
+                  bind_read_only_paths=["/root/.pyenv/versions/3.11.7"], temporary_file_systems=["/var/lib/capyctl"],
+                  inaccessible_paths=["/run/capyctl"], supplementary_groups=["render"],
+                  credentials={"engine-key": "/var/lib/capyctl/secrets/qwen3-4b.key"},
+                  credential_environment={"VLLM_API_KEY": "engine-key"}, cache_directory="capyctl-engine/qwen3-4b")
+    p, sig = props(unit), signatures(unit)
+    assert p["DynamicUser"] is True and p["PrivateUsers"] is True and p["ProtectHome"] == "tmpfs"
+    assert p["LoadCredential"] == [["engine-key", "/var/lib/capyctl/secrets/qwen3-4b.key"]]
+    assert p["BindReadOnlyPaths"] == [["/root/.pyenv/versions/3.11.7", "/root/.pyenv/versions/3.11.7", False, 16384]]
+    assert p["TemporaryFileSystem"] == [["/var/lib/capyctl", "ro"]]
+    assert p["InaccessiblePaths"] == ["-/run/capyctl"]  # "-": absent on this host is fine
+    assert p["CacheDirectory"] == ["capyctl-engine/qwen3-4b"] and p["SupplementaryGroups"] == ["render"]
+    # dbus-execute.c (systemd 252) reads exactly these signatures for transient units.
+    assert (sig["LoadCredential"], sig["BindReadOnlyPaths"], sig["TemporaryFileSystem"], sig["InaccessiblePaths"],
+            sig["CacheDirectory"], sig["DynamicUser"]) == ("a(ss)", "a(ssbt)", "a(ss)", "as", "as", "b")
+    # The key is in no property: the credential shell reads it from the credentials directory.
+    (path, argv, _), = p["ExecStart"]
+    assert path == "/bin/sh" and argv[:2] == ["/bin/sh", "-c"]
+    assert argv[3:] == ["capyctl-credentials", "/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "EnvironmentFiles" not in p and all("VLLM_API_KEY" not in e for e in p["Environment"])
+
+
+def test_credential_shell_exports_only_the_named_variables(tmp_path: Path) -> None:
+    import subprocess
+    (tmp_path / "engine-key").write_text("k-123\n")
+    unit = engine(argv=["/usr/bin/env"], credentials={"engine-key": "/x"},
+                  credential_environment={"VLLM_API_KEY": "engine-key", "CAPYCTL_ENGINE_KEY": "engine-key"})
+    # systemd turns "$$" back into "$"; then the command runs as systemd would run it.
+    argv = [a.replace("$$", "$") for a in props(unit)["ExecStart"][0][1]]  # type: ignore[index]
+    out = subprocess.run(argv, env={"CREDENTIALS_DIRECTORY": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "VLLM_API_KEY=k-123" in out and "CAPYCTL_ENGINE_KEY=k-123" in out
+    assert not any(line.startswith("capyctl_value=") for line in out)
+    # A credential that is not there stops the start instead of running the engine keyless.
+    missing = subprocess.run(argv, env={"CREDENTIALS_DIRECTORY": str(tmp_path / "none"), "PATH": "/usr/bin:/bin"},
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "VLLM_API_KEY" not in missing.stdout
+
+
+@pytest.mark.parametrize("bad", [
+    dict(credentials={"a/b": "/x"}),
+    dict(credentials={"k": "relative"}),
+    dict(credentials={"k": "/x"}, credential_environment={"A": "other"}),
+    dict(bind_read_only_paths=["/a:/b"]),
+    dict(cache_directory="/abs"),
+    dict(protect_home="no"),
+])
+def test_invalid_least_privilege_fields_are_refused(bad: dict[str, object]) -> None:
+    with pytest.raises(SystemdError) as err:
+        engine(**bad).properties()
+    assert err.value.code == "invalid_unit"

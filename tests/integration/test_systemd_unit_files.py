@@ -97,4 +97,6 @@ def test_socket_activation_by_name_and_notify(sandbox_factory, netns: str) -> No
     print(f"\n{overall[0] if overall else analyze.stdout[-500:]}")
     assert overall
     exposure = float(overall[0].split(":")[-1].split()[0])
-    assert exposure < 5.0
+    # Measured 2.5 (docs/security.md). Issue 18 asks for 2.0; what is left is structural: root
+    # (0.4, D-Bus to systemd), host network (0.5, TCP engines and SSH hosts), NVML's devices.
+    assert exposure <= 2.5, overall

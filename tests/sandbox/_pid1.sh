@@ -78,5 +78,12 @@ mkdir -p /sys/fs/cgroup/systemd /sys/fs/cgroup/unified
 mount -t cgroup -o nosuid,nodev,noexec,none,name=systemd cgroup /sys/fs/cgroup/systemd
 mount -t cgroup2 -o nosuid,nodev,noexec cgroup2 /sys/fs/cgroup/unified
 
+# systemd makes "/" shared at boot (mount-setup.c) only when it is not in a container, and
+# container= is set below. Units' credentials (LoadCredential=) are mounted by a helper in a
+# namespace of its own and reach PID 1's namespace only by propagation: without shared mounts
+# every unit would see an empty /run/credentials/<unit>. Peer groups made here are this
+# namespace's own (unshare made the host's mounts private to it), so nothing reaches the host.
+mount --make-rshared /
+
 exec env -i container=capysb PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
   /lib/systemd/systemd --system --unit=capysb.target --log-target=console --show-status=false

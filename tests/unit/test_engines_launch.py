@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from capyctl.engines import LaunchContext, adapter_for
+from capyctl.engines import KEY_CREDENTIAL, LaunchContext, adapter_for
 from capyctl.errors import CapyError
 from capyctl.spec import DeploymentSpec, EngineSpec
 
 KEY_REF = "${CAPYCTL_ENGINE_KEY}"
+# The unit's credentials directory, where the controller points LaunchContext.secret_dir.
+CREDENTIALS = "/run/credentials/capyctl-chat-small.service"
 
 
 def deployment(**kw) -> DeploymentSpec:
@@ -25,7 +27,7 @@ def ctx(kind: str, *, dep: DeploymentSpec | None = None, gpus: list[int] | None 
         dev: bool = True, eng: EngineSpec | None = None) -> LaunchContext:
     return LaunchContext(deployment=dep or deployment(), engine=eng or engine(kind), model_path="/models/m",
                          port=41234, gpu_indices=gpus or [], cpu_threads=threads, dev_controls=dev,
-                         secret_dir="/var/lib/capyctl/secrets")
+                         secret_dir=CREDENTIALS)
 
 
 def flag_value(argv: list[str], flag: str) -> str:
@@ -34,21 +36,29 @@ def flag_value(argv: list[str], flag: str) -> str:
 
 @pytest.mark.parametrize("kind", ["llama.cpp", "vllm", "sglang", "tensorfold"])
 def test_the_key_reaches_the_engine_without_appearing_in_argv(kind):
-    c = ctx(kind)
-    c.secret_dir = "/var/lib/capyctl/secrets"  # where the controller writes LaunchPlan.secret_files
-    plan = adapter_for(kind).build_launch(c)
-    secret = plan.secret_file_environment("k-9f3a")
-    assert secret["CAPYCTL_ENGINE_KEY"] == "k-9f3a"
-    assert all("k-9f3a" not in a for a in plan.argv)
+    """Every engine reads the key from the unit's credentials: its own key-file option
+    (llama-server, TensorFold), a variable the unit's credential shell exports (vLLM), or a
+    config file loaded as a credential (SGLang). Never argv, never the unit's environment."""
+    plan = adapter_for(kind).build_launch(ctx(kind))
+    assert all("k-9f3a" not in a for a in plan.argv) and KEY_REF not in plan.argv
     assert all("k-9f3a" not in v for v in plan.environment.values())
-    if plan.secret_files:  # the engine reads it from a 0600 file the controller writes (SGLang's --config)
-        assert KEY_REF not in plan.argv
+    if kind in ("llama.cpp", "tensorfold"):
+        assert flag_value(plan.argv, "--api-key-file") == f"{CREDENTIALS}/{KEY_CREDENTIAL}"
+        assert plan.credential_environment() == {}
+    elif kind == "vllm":
+        assert plan.credential_environment() == {"VLLM_API_KEY": KEY_CREDENTIAL}
+        assert plan.secret_file_environment("k-9f3a") == {"VLLM_API_KEY": "k-9f3a"}
+    else:
+        assert flag_value(plan.argv, "--config") == f"{CREDENTIALS}/chat-small.sglang.yaml"
         assert any("k-9f3a" in text for text in plan.secret_file_contents("k-9f3a").values())
-    elif plan.secret_environment:  # the engine reads its own variable, so argv must not mention the key
-        assert KEY_REF not in plan.argv
-        assert set(secret) == {"CAPYCTL_ENGINE_KEY", *plan.secret_environment}
-    else:  # the engine reads it from argv, expanded by systemd from the environment file
-        assert KEY_REF in plan.argv
+
+
+def test_without_a_credentials_directory_llama_server_reads_its_variable():
+    c = ctx("llama.cpp")
+    c.secret_dir = None
+    plan = adapter_for("llama.cpp").build_launch(c)
+    assert "--api-key-file" not in plan.argv
+    assert plan.secret_file_environment("k1") == {"LLAMA_API_KEY": "k1"}
 
 
 def test_llama_server_argv():
@@ -59,7 +69,8 @@ def test_llama_server_argv():
     assert flag_value(argv, "--host") == "127.0.0.1" and flag_value(argv, "--port") == "41234"
     assert flag_value(argv, "-t") == "2" and flag_value(argv, "-c") == "4096"
     assert "--jinja" in argv and "-ngl" not in argv
-    assert plan.secret_environment == {"LLAMA_API_KEY": "CAPYCTL_ENGINE_KEY"}
+    # The key from the unit's credential (--api-key-file, common/arg.cpp), so nothing in its environment.
+    assert flag_value(argv, "--api-key-file") == f"{CREDENTIALS}/{KEY_CREDENTIAL}" and plan.secret_environment == {}
     assert plan.environment["CUDA_VISIBLE_DEVICES"] == ""  # a CPU deployment sees no GPU
     assert plan.health_path == "/health"
 
@@ -114,11 +125,10 @@ def test_tensor_parallel_needs_as_many_gpus():
 def test_sglang_argv():
     dep = deployment(engine="sglang", tensor_parallel=2, resources={"gpus": 2}, engine_args=["--mem-fraction-static", "0.8"])
     c = ctx("sglang", dep=dep, gpus=[2, 5])
-    c.secret_dir = "/var/lib/capyctl/secrets"
     plan = adapter_for("sglang").build_launch(c)
     assert plan.argv[:3] == ["/opt/engine/bin/python", "-m", "sglang.launch_server"]
     assert flag_value(plan.argv, "--model-path") == "/models/m"
-    assert flag_value(plan.argv, "--config") == "/var/lib/capyctl/secrets/chat-small.sglang.yaml"
+    assert flag_value(plan.argv, "--config") == f"{CREDENTIALS}/chat-small.sglang.yaml"
     assert "--api-key" not in plan.argv and KEY_REF not in plan.argv
     assert flag_value(plan.argv, "--tp-size") == "2" and "--tp" not in plan.argv
     assert "--enable-memory-saver" in plan.argv and "--enable-weights-cpu-backup" in plan.argv

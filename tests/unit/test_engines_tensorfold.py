@@ -68,7 +68,9 @@ def test_keys_travel_in_the_environment_file_never_argv(tmp_path, gpus):
 
 def test_capabilities_are_the_routes_tensorfold_serves():
     caps = ADAPTER.capabilities(EngineSpec(kind="engine", name="tf", type="tensorfold", path="/opt/tf"))
-    assert caps == {"chat", "completions", "tools", "decisions"}  # decisions, not a native /v1/systemone
+    # docs/api.md's route table; decisions, not a native /v1/systemone; /tokenize and /v1/tokenize both.
+    assert caps == {"chat", "completions", "tools", "decisions", "messages", "tokenize", "tokenize_v1", "responses",
+                    "responses_get", "responses_delete"}
     assert ADAPTER.unix_socket is False  # it binds (host, port) only
 
 

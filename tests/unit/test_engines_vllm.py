@@ -197,6 +197,36 @@ def test_the_real_vllm_parses_every_launch_line_and_refuses_sleep_mode_on_a_cpu(
     assert worker_row["tensor_parallel_size"] == 4 and worker_row["uds"] is None
 
 
+TASK_PROBE = r"""
+import json, sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.engine.arg_utils import AsyncEngineArgs
+out = []
+for argv in json.load(sys.stdin):
+    config = AsyncEngineArgs.from_cli_args(make_arg_parser(FlexibleArgumentParser()).parse_args(argv)).create_model_config()
+    out.append([config.runner_type, config.convert_type])
+print(json.dumps(out))
+"""
+
+
+def test_the_real_vllm_resolves_each_task_to_its_runner(tmp_path):
+    # config/model.py _get_runner_type/_get_convert_type: what the routers are then chosen by.
+    venv = require_vllm_venv()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    lines = [server_args(adapter_for("vllm").build_launch(
+        ctx(spec(task=task, engine_args=["--max-model-len", "512"]), eng=engine(str(venv)), model=str(model),
+            socket_path=str(tmp_path / "e.sock"))).argv) for task in ("generate", "embed", "rerank")]
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", TASK_PROBE], input=json.dumps(lines), text=True,
+                          capture_output=True, timeout=300,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [["generate", "none"], ["pooling", "embed"],
+                                                               ["pooling", "classify"]]
+
+
 # -- the fake, served on its unix socket -----------------------------------------------------------
 
 

@@ -157,7 +157,7 @@ async def test_rotation_refuses_the_old_key_without_a_restart(stack):
 async def test_idempotency_key_returns_the_first_outcome(stack):
     headers = {"Idempotency-Key": "drain-1"}
     first = await stack.api("POST", "/v1/hosts/local/drain", stack.operator_key, headers=headers)
-    assert first == (200, {"host": "local", "deployments": [], "drained": True})
+    assert first == (200, {"host": "local", "cordoned": True, "deployments": [], "drained": True})
     assert await stack.api("POST", "/v1/hosts/local/drain", stack.operator_key, headers=headers) == first
     status, answer = await stack.api("POST", "/v1/deployments/x/park", stack.operator_key, headers=headers)
     assert (status, answer["error"]["code"]) == (422, "idempotency_key_reused")

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from capyctl.config import DaemonConfig
+from capyctl.config import DaemonConfig, Paths
+from capyctl.controller._confine import Probe, confinement
 from capyctl.controller._controller import Controller
 from capyctl.controller._group import GroupMember, ModelGroup
 from capyctl.controller._members import UnitMembers
@@ -169,16 +170,20 @@ class _Ctl:
     async def resolve_model(self, spec, engine, progress):
         return SimpleNamespace(path="/models/big", revision=None)
 
+    def dev_controls(self, host):
+        return True
+
     def cpu_threads(self, spec, host):
         return 8
 
-    async def write_secret_env_on(self, host, name, env):
-        return Path("/run/capyctl/secrets") / f"{name}.env"
+    async def launch_credentials_on(self, host, key_file, key, files):
+        # As on a host without systemd-creds: 0600 files, nothing encrypted.
+        return ({"engine-key": f"/var/lib/capyctl/secrets/{key_file}.key",
+                 **{name: f"/var/lib/capyctl/secrets/{name}" for name in files}}, frozenset())
 
-    secret_dir = "/var/lib/capyctl/secrets"
-
-    async def write_secret_files_on(self, host, files):  # engines that read their key from a file
-        return None
+    async def engine_confinement(self, host, deployment, engine_path, model_path, devices):
+        return confinement(Paths(Path("/var/lib/capyctl"), Path("/run/capyctl")), deployment, engine_path,
+                           model_path, devices, Probe())
 
 
 async def test_each_member_unit_gets_exactly_its_cards_and_the_node_count() -> None:
@@ -202,6 +207,9 @@ async def test_each_member_unit_gets_exactly_its_cards_and_the_node_count() -> N
         assert unit.environment["CUDA_VISIBLE_DEVICES"] == "1,2"
         assert unit.environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # CUDA counts cards as NVML does
         assert unit.devices == ["/dev/nvidia5", "/dev/nvidia6", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+        # Each member runs as a user of its own with its key as a credential, on its host too.
+        assert unit.dynamic_user and unit.credentials == {"engine-key": f"/var/lib/capyctl/secrets/big.rank{rank}.key"}
+        assert unit.credential_environment == {"VLLM_API_KEY": "engine-key"} and unit.environment_file is None
         argv = unit.argv
         assert argv[argv.index("--tensor-parallel-size") + 1] == "4"  # the total: vLLM splits it per node
         assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--node-rank") + 1] == str(rank)

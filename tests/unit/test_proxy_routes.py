@@ -126,8 +126,11 @@ def spec(kind: str, *args: str) -> tuple[EngineSpec, DeploymentSpec]:
 def test_llama_server_routes_follow_its_flags() -> None:
     eng, dep = spec("llama.cpp")
     served = routes_served(adapter_for("llama.cpp").capabilities(eng, deployment=dep))
-    assert served == ["/detokenize", "/tokenize", "/v1/chat/completions", "/v1/completions", "/v1/messages",
-                      "/v1/messages/count_tokens", "/v1/responses", "/v1/responses/input_tokens", "/v1/systemone"]
+    # /v1/audio/transcriptions is always registered (server.cpp); without an audio projector the
+    # engine answers its own 501, which the proxy passes on.
+    assert served == ["/detokenize", "/tokenize", "/v1/audio/transcriptions", "/v1/chat/completions",
+                      "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+                      "/v1/responses/input_tokens", "/v1/systemone"]
     eng, dep = spec("llama.cpp", "--reranking", "--embeddings")
     served = routes_served(adapter_for("llama.cpp").capabilities(eng, deployment=dep))
     assert "/v1/rerank" in served and "/v1/embeddings" in served

@@ -1,0 +1,97 @@
+"""Least privilege for engine units (issue 18), against a real llama-server in a real systemd:
+
+- the engine runs as a user of its own (DynamicUser=), not root;
+- its key is a systemd credential, encrypted at rest with systemd-creds (LoadCredentialEncrypted=):
+  in no clear file, environment file, unit property, command line or process environment;
+- the threat model: a process with the engine's uid inside the engine's own namespaces (what a
+  compromised engine is) cannot read the state database, another engine's key or credential, nor
+  connect to the management API socket, and the engine still serves;
+- ``systemd-analyze security`` of the engine unit is at most 1.5.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from .capyhost import CapyHost
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.llama]
+
+MAX_ENGINE_EXPOSURE = 1.5
+
+
+def _deploy(host: CapyHost, name: str, model: str) -> None:
+    manifest = host.write_manifest(name, f"name: {name}\nengine: llama\nmodel: {{path: {model}}}\n")
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+
+
+def _ids(host: CapyHost, pid: str) -> tuple[int, int]:
+    status = host.sh("cat", f"/proc/{pid}/status").stdout
+    uid = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
+    gid = int(next(line for line in status.splitlines() if line.startswith("Gid:")).split()[1])
+    return uid, gid
+
+
+def _as_engine(host: CapyHost, pid: str, *argv: str):
+    """Run argv as the engine's uid/gid inside all of the engine's namespaces (mount, network, pid,
+    ipc, uts, user, cgroup): what code the engine was made to run could do, at most."""
+    uid, gid = _ids(host, pid)
+    return host.sh("nsenter", "--all", "-t", pid, f"--setuid={uid}", f"--setgid={gid}", *argv, check=False)
+
+
+def test_an_engine_runs_unprivileged_and_reaches_nothing_of_capyctl(capyhost, smollm2):
+    _deploy(capyhost, "smol", smollm2)
+    _deploy(capyhost, "other", smollm2)
+    unit = "capyctl-smol.service"
+    pid = capyhost.unit_property(unit, "MainPID")
+    uid, _ = _ids(capyhost, pid)
+    assert uid != 0 and capyhost.unit_property(unit, "DynamicUser") == "yes"
+    assert capyhost.sh("ps", "-o", "user=", "-p", pid).stdout.strip() == "capyctl-smol"
+
+    # The key: a credential, and nowhere else.
+    key, other_key = capyhost.engine_key("smol"), capyhost.engine_key("other")
+    shown = capyhost.sh("systemctl", "show", unit).stdout
+    assert key not in shown and "EnvironmentFiles=" not in shown.replace("EnvironmentFiles=\n", "")
+    unit_file = capyhost.sh("systemctl", "cat", unit).stdout  # the transient unit as systemd wrote it
+    # systemd 252 has systemd-creds: the key is encrypted at rest (the host's key), never in the clear.
+    sealed = capyhost.state_dir / "secrets" / "smol.cred"
+    assert f"LoadCredentialEncrypted=engine-key:{sealed}" in unit_file, unit_file
+    assert not (capyhost.state_dir / "secrets" / "smol.key").exists()
+    assert key.encode() not in sealed.read_bytes() and oct(sealed.stat().st_mode & 0o777) == "0o600"
+    assert key not in unit_file and "EnvironmentFile" not in unit_file
+    for what in ("cmdline", "environ"):
+        assert key not in capyhost.sh("cat", f"/proc/{pid}/{what}").stdout, what
+    assert f"--api-key-file /run/credentials/{unit}/engine-key" in capyhost.unit_property(unit, "ExecStart")
+    # ... which the engine itself reads: its own credential is there for it.
+    own = _as_engine(capyhost, pid, "cat", f"/run/credentials/{unit}/engine-key")
+    assert own.returncode == 0 and own.stdout.strip() == key, own
+
+    # The threat model: from inside the engine, as the engine, nothing of CapyCTL's.
+    for path in (capyhost.state_dir / "state.db", capyhost.state_dir / "secrets" / "other.cred",
+                 capyhost.state_dir / "secrets" / "smol.cred", "/run/credentials/capyctl-other.service/engine-key",
+                 "/var/lib/systemd/credential.secret"):
+        attempt = _as_engine(capyhost, pid, "cat", str(path))
+        assert attempt.returncode != 0 and other_key not in attempt.stdout, (path, attempt)
+    listing = _as_engine(capyhost, pid, "ls", "-A", str(capyhost.state_dir))
+    assert listing.stdout.strip() == "", listing  # an empty read-only tmpfs over the state directory
+    api = _as_engine(capyhost, pid, "curl", "-sS", "--max-time", "5", "--unix-socket", str(capyhost.api_socket),
+                     "http://capyctl/v1/deployments")
+    assert api.returncode != 0, api
+    # Nor does root's home show (homes are an empty tmpfs), nor another engine's socket directory.
+    assert _as_engine(capyhost, pid, "ls", "-A", "/root").stdout.strip() == ""
+    assert _as_engine(capyhost, pid, "ls", "/run/capyctl-engine/other").returncode != 0
+
+    # ... and the engine still serves, through the proxy.
+    client = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key=capyhost.create_key(), max_retries=0,
+                           timeout=120)
+    answer = client.chat.completions.create(model="smol", max_tokens=4,
+                                            messages=[{"role": "user", "content": "Say hi."}])
+    assert answer.choices[0].message.content
+
+    assert capyhost.exposure(unit) <= MAX_ENGINE_EXPOSURE
+
+    # Deleting the deployment removes its key file; the other's stays.
+    capyhost.cli("delete", "deployment", "smol")
+    assert not sealed.exists()
+    assert (capyhost.state_dir / "secrets" / "other.cred").exists()

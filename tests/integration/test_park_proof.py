@@ -1,0 +1,87 @@
+"""The proof after every wake (capyctl/controller/_parking.py), through the daemon and real systemd
+units: the fake vLLM whose weights come back wrong after a wake (--fake-corrupt-on-wake) fails it,
+the engine is restarted cleanly, and after three failures its in-place park is turned off; the real
+llama-server, parked by stopping and started again, passes it. ``capyctl status`` shows the record."""
+
+from __future__ import annotations
+
+import os
+
+import openai
+import pytest
+
+from tests.components import missing
+from tests.fakes import make_fake_vllm_venv
+
+from .capyhost import CapyHost, llama_server_path, smollm2_path
+from .test_park_in_place import FAKE_PYNVML
+
+pytestmark = [pytest.mark.sandbox]
+
+
+@pytest.fixture
+def host():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to boot systemd in private namespaces")
+    h = CapyHost().boot()
+    try:
+        shim = h.root / "fake-nvml"  # one fake card: the fake vLLM parks in place only on a GPU
+        shim.mkdir()
+        (shim / "pynvml.py").write_text(FAKE_PYNVML)
+        h.env["PYTHONPATH"] = str(shim)
+        h.start_daemon()
+        yield h
+    finally:
+        print(h.daemon_journal(150))
+        h.teardown()
+
+
+def _ask(client: openai.OpenAI) -> str:
+    answer = client.chat.completions.create(model="fake", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    return answer.choices[0].message.content
+
+
+def test_a_wake_that_serves_garbage_fails_its_proof_and_restarts_the_engine(host):
+    venv = make_fake_vllm_venv(host.root / "vllm-venv")
+    host.cli("engine", "add", str(venv), "--name", "fake-vllm")
+    model_dir = host.root / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    manifest = host.write_manifest("m", f"name: fake\nengine: fake-vllm\nmodel: {{path: {model_dir}}}\n"
+                                        "resources: {gpus: 1}\npark_tier: host_backed\n"
+                                        "engine_args: [--fake-corrupt-on-wake]\n")
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=60)
+    assert "garbage" not in _ask(client)
+    for attempt in range(1, 4):
+        pid = host.unit_property("capyctl-fake.service", "MainPID")
+        parked = host.cli_json("park", "deployment", "fake")
+        assert parked["parked_in_place"] and parked["park_record"]["tier"] == "host_backed"
+        assert "garbage" not in _ask(client)  # served by the engine restarted after the failed proof
+        status = host.cli_json("status", "deployment", "fake")
+        record = status["park_record"]
+        assert record["proof"]["result"] == "failed" and "garbage" in record["proof"]["reason"], record
+        assert record["proof_failures"] == attempt and record["wake_seconds"] is not None
+        assert host.unit_property("capyctl-fake.service", "MainPID") != pid  # restarted cleanly
+    assert status["park_tier"] == "restart" and "3 wakes in a row failed" in record["in_place_disabled"]
+    parked = host.cli_json("park", "deployment", "fake")
+    assert not parked["parked_in_place"]  # the in-place park is off: parked by stopping
+    text = host.cli("status", "deployment", "fake").stdout
+    assert "Park: tier restart; in-place park off" in text and "proof failed" in text
+
+
+def test_the_real_llama_server_passes_its_proof_after_a_wake(host):
+    if llama_server_path() is None or smollm2_path() is None:
+        missing("llama-server or the SmolLM2 model is missing; run scripts/test")
+    host.cli("engine", "add", llama_server_path(), "--name", "llama")
+    manifest = host.write_manifest("s", f"name: fake\nengine: llama\nmodel: {{path: {smollm2_path()}}}\n"
+                                        "engine_args: [-c, '1024', -t, '2']\n")
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=120)
+    host.cli_json("park", "deployment", "fake")
+    assert _ask(client)
+    record = host.cli_json("status", "deployment", "fake")["park_record"]
+    assert record["tier"] == "restart" and record["proof"]["result"] == "passed", record
+    assert 0 < record["wake_seconds"] < 60
+    text = host.cli("status", "deployment", "fake").stdout
+    assert "last park reached restart" in text and "proof passed" in text
