@@ -754,7 +754,7 @@ class Controller:
     def wake_durations(self) -> dict[str, DurationCounts]:
         return {name: counts for name, counts in self._wake_durations.items() if name in self.actors}
 
-    async def memory(self) -> list[MemoryGauge]:
+    async def memory_gauges(self) -> list[MemoryGauge]:
         from ._usage import UsageView
         if self._usage is None:
             self._usage = UsageView(self)

@@ -398,9 +398,11 @@ async def _metrics(request: web.Request) -> web.Response:
     router = state.router
     # Optional parts of the Router (a test's fake may have neither).
     wake_durations = getattr(router, "wake_durations", None)
-    memory = getattr(router, "memory", None)
+    # (Not "memory": the Controller's memory planner is an attribute of that name, and the method
+    # would have been shadowed by it: /metrics answered 500 in the daemon.)
+    memory_gauges = getattr(router, "memory_gauges", None)
     body = state.metrics.render(router.stats(), wake_durations() if wake_durations else None,
-                                await memory() if memory else None)
+                                await memory_gauges() if memory_gauges else None)
     return web.Response(body=body, content_type="text/plain", charset="utf-8",
                         headers={"X-Prometheus-Format": "0.0.4"})
 

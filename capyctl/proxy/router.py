@@ -121,6 +121,6 @@ class Router(Protocol):
     def wake_durations(self) -> dict[str, DurationCounts]:
         """Per deployment, how long its wakes and cold starts took (to ready)."""
 
-    async def memory(self) -> list[MemoryGauge]:
+    async def memory_gauges(self) -> list[MemoryGauge]:
         """Every memory domain with what each deployment holds there; measurements may be a
         couple of seconds old (they are shared with GET /v1/usage)."""
