@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .config import DEFAULT_LISTEN, DaemonConfig
 from .spec._units import Duration, Size
-from .spec.loader import ManifestError, Problem, _LineLoader, _problems
+from .spec.loader import ManifestError, Problem, _problems, load_yaml
 
 DEFAULT_CONFIG_PATH = "/etc/capyctl/config.yaml"
 CONFIG_ENV = "CAPYCTL_CONFIG"
@@ -113,17 +112,7 @@ RESTART_FIELDS = ("listen", "admin_token_file")
 
 
 def parse_config(text: str, source: str) -> ConfigFile:
-    if len(text.encode()) > MAX_CONFIG_BYTES:
-        raise ConfigError(source, [Problem("", None, f"is larger than {MAX_CONFIG_BYTES} bytes")])
-    try:
-        root = yaml.compose(text, Loader=_LineLoader)
-        data = yaml.load(text, Loader=_LineLoader)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        raise ConfigError(source, [Problem("", mark.line + 1 if mark else None,
-                                           f"YAML syntax error: {exc.problem or exc}")]) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, [Problem("", None, f"YAML syntax error: {exc}")]) from None
+    root, data = load_yaml(text, source, max_bytes=MAX_CONFIG_BYTES, error=ConfigError)
     if data is None:
         return ConfigFile()  # an empty file (or only comments) means the defaults
     if not isinstance(data, dict):

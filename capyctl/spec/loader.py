@@ -148,20 +148,26 @@ def _problems(exc: ValidationError, root: yaml.Node | None) -> list[Problem]:
     return sorted(problems, key=lambda p: (p.line is None, p.line or 0))
 
 
-def parse_manifest(text: str, source: str = "<manifest>") -> DeploymentSpec | EngineSpec:
-    """Parse one manifest; ``kind: engine`` documents become EngineSpec, others DeploymentSpec."""
-    if len(text.encode()) > MAX_MANIFEST_BYTES:
-        raise ManifestError(source, [Problem("", None, f"is larger than {MAX_MANIFEST_BYTES} bytes")])
+def load_yaml(text: str, source: str, *, max_bytes: int,
+              error: type[ManifestError] = ManifestError) -> tuple[Any, Any]:
+    """The YAML document's node tree (for line numbers, see _problems) and its data; a text over
+    ``max_bytes`` or a syntax error raises ``error`` naming the source and the line."""
+    if len(text.encode()) > max_bytes:
+        raise error(source, [Problem("", None, f"is larger than {max_bytes} bytes")])
     try:
-        root = yaml.compose(text, Loader=_LineLoader)
-        data = yaml.load(text, Loader=_LineLoader)
+        return yaml.compose(text, Loader=_LineLoader), yaml.load(text, Loader=_LineLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
         what = exc.problem or str(exc)
-        raise ManifestError(source, [Problem("", line, f"YAML syntax error: {what}")]) from None
+        raise error(source, [Problem("", line, f"YAML syntax error: {what}")]) from None
     except yaml.YAMLError as exc:
-        raise ManifestError(source, [Problem("", None, f"YAML syntax error: {exc}")]) from None
+        raise error(source, [Problem("", None, f"YAML syntax error: {exc}")]) from None
+
+
+def parse_manifest(text: str, source: str = "<manifest>") -> DeploymentSpec | EngineSpec:
+    """Parse one manifest; ``kind: engine`` documents become EngineSpec, others DeploymentSpec."""
+    root, data = load_yaml(text, source, max_bytes=MAX_MANIFEST_BYTES)
     if data is None:
         raise ManifestError(source, [Problem("", None, "is empty; a manifest needs at least name, engine and model")])
     if not isinstance(data, dict):
