@@ -40,6 +40,12 @@ def require_vllm_venv() -> Path:
     return venv
 
 
+def require_root(why: str = "to boot systemd in private namespaces") -> None:
+    """Root; else skip (fail under CI) saying why it is needed."""
+    if os.geteuid() != 0:
+        missing(f"needs root {why}")
+
+
 def require_espeak_ng() -> str:
     """Debian's espeak-ng (speaks the WAV a transcription test sends); else skip (fail under CI)."""
     import shutil

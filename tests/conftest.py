@@ -9,6 +9,7 @@ from typing import Callable, Iterator
 
 import pytest
 
+from tests.components import missing
 from tests.sandbox.sandbox import Sandbox, can_boot
 
 NEEDS_ROOT = "needs root and unshare to boot systemd in private namespaces"
@@ -21,7 +22,7 @@ def sandbox_factory() -> Iterator[Callable[..., Sandbox]]:
     A boot takes about half a second here, so function scope is cheap enough.
     """
     if not can_boot():
-        pytest.skip(NEEDS_ROOT)
+        missing(NEEDS_ROOT)
     booted: list[Sandbox] = []
 
     def boot(name: str | None = None, **kw: object) -> Sandbox:
@@ -50,7 +51,7 @@ def sandbox(sandbox_factory: Callable[..., Sandbox]) -> Sandbox:
 def netns() -> Iterator[str]:
     """A network namespace of the test's own, with loopback up; deleted afterwards."""
     if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces")
+        missing("needs root to create network namespaces")
     name = f"capytest-{uuid.uuid4().hex[:6]}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:

@@ -12,7 +12,11 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
+
+from tests.components import require_root
 
 REPO = Path(__file__).resolve().parents[2]
 SANDBOX = REPO / "tests" / "sandbox" / "capy-sandbox"
@@ -157,3 +161,25 @@ class CapyHost:
 
     def create_key(self, *extra: str) -> str:
         return self.cli("key", "create", *extra).stdout.strip()
+
+
+@contextmanager
+def running_host(*, env: dict[str, str] | None = None, fake_nvml: str | None = None,
+                 journal_lines: int = 150) -> Iterator[CapyHost]:
+    """A booted sandbox with the daemon started; its journal printed and the sandbox torn down after.
+    ``fake_nvml``: the source of a ``pynvml`` module put first on the daemon's path (a fake GPU host)."""
+    require_root()
+    host = CapyHost(env=env).boot()
+    try:
+        if fake_nvml is not None:
+            shim = host.root / "fake-nvml"
+            shim.mkdir()
+            (shim / "pynvml.py").write_text(fake_nvml)
+            host.env["PYTHONPATH"] = str(shim)
+        host.start_daemon()
+        yield host
+    finally:
+        try:
+            print(host.daemon_journal(journal_lines))
+        finally:
+            host.teardown()

@@ -1,17 +1,15 @@
 from __future__ import annotations
 
-import os
 
 import pytest
 
-from tests.components import missing
+from tests.components import missing, require_root
 
 from .capyhost import CapyHost, llama_server_path, smollm2_path
 
 
 def _needs_root_and_llama() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to boot systemd in private namespaces")
+    require_root()
     if llama_server_path() is None:
         missing("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
     if smollm2_path() is None:

@@ -87,7 +87,7 @@ class FederatedDaemon:
 def federation() -> Iterator[tuple[TwoHostRig, FederatedDaemon]]:
     reason = missing_requirements()
     if reason:
-        pytest.skip(reason)
+        missing(reason)
     if llama_server_path() is None:
         missing("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
     if smollm2_path() is None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.components import missing, require_root
+
 pytestmark = pytest.mark.sandbox
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,10 +58,9 @@ def _leftovers() -> list[str]:
 
 
 def _require_clean_machine() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root to boot systemd in private namespaces and to install packages")
+    require_root("to boot systemd in private namespaces and to install packages")
     if shutil.which("dpkg-deb") is None or shutil.which("apt-get") is None:
-        pytest.skip("needs Debian's dpkg-deb and apt-get")
+        missing("needs Debian's dpkg-deb and apt-get")
     installed = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "capyctl"], capture_output=True, text=True)
     if "installed" in installed.stdout or _leftovers():
         pytest.skip("CapyCTL is already installed on this machine (package or install.sh); this test "
@@ -307,9 +308,9 @@ def test_committed_bash_completion_is_what_argcomplete_generates() -> None:
 
 def test_rpm_builds(scratch: Path) -> None:
     if shutil.which("rpmbuild") is None:
-        pytest.skip("rpmbuild is not installed; apt-get install rpm")
+        missing("rpmbuild is not installed; apt-get install rpm")
     if os.geteuid() != 0 and not os.access(WHEELHOUSE.parent, os.W_OK):
-        pytest.skip(f"needs root to write the wheel cache {WHEELHOUSE}")
+        missing(f"needs root to write the wheel cache {WHEELHOUSE}")
     out = _run([str(REPO / "packaging" / "rpm" / "build.sh"), "--out", str(scratch / "rpm"),
                 "--wheelhouse", str(WHEELHOUSE)])
     rpm = Path(out.stdout.strip().splitlines()[-1])

@@ -18,7 +18,7 @@ import pytest
 
 from tests.fakes import make_fake_sglang_venv, make_fake_vllm_venv
 
-from .capyhost import REPO, CapyHost
+from .capyhost import REPO, CapyHost, running_host
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -33,21 +33,9 @@ sys.modules[__name__] = FakeNvml([FakeDevice(name="NVIDIA H100 80GB HBM3", uuid=
 
 @pytest.fixture
 def host(request):
-    import os
-    if os.geteuid() != 0:
-        pytest.skip("needs root to boot systemd in private namespaces")
-    h = CapyHost().boot()
-    try:
-        if request.node.callspec.params.get("kind") == "vllm":  # a GPU host (a fake card) for vLLM
-            shim = h.root / "fake-nvml"
-            shim.mkdir()
-            (shim / "pynvml.py").write_text(FAKE_PYNVML)
-            h.env["PYTHONPATH"] = str(shim)
-        h.start_daemon()
+    gpu = request.node.callspec.params.get("kind") == "vllm"  # a GPU host (a fake card) for vLLM
+    with running_host(fake_nvml=FAKE_PYNVML if gpu else None) as h:
         yield h
-    finally:
-        print(h.daemon_journal(150))
-        h.teardown()
 
 
 def fake_stats(host: CapyHost, status: dict) -> dict:

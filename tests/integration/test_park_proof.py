@@ -5,7 +5,6 @@ llama-server, parked by stopping and started again, passes it. ``capyctl status`
 
 from __future__ import annotations
 
-import os
 
 import openai
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from tests.components import missing
 from tests.fakes import make_fake_vllm_venv
 
-from .capyhost import CapyHost, llama_server_path, smollm2_path
+from .capyhost import llama_server_path, running_host, smollm2_path
 from .test_park_in_place import FAKE_PYNVML
 
 pytestmark = [pytest.mark.sandbox]
@@ -21,19 +20,8 @@ pytestmark = [pytest.mark.sandbox]
 
 @pytest.fixture
 def host():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to boot systemd in private namespaces")
-    h = CapyHost().boot()
-    try:
-        shim = h.root / "fake-nvml"  # one fake card: the fake vLLM parks in place only on a GPU
-        shim.mkdir()
-        (shim / "pynvml.py").write_text(FAKE_PYNVML)
-        h.env["PYTHONPATH"] = str(shim)
-        h.start_daemon()
+    with running_host(fake_nvml=FAKE_PYNVML) as h:  # one fake card: the fake vLLM parks in place only on a GPU
         yield h
-    finally:
-        print(h.daemon_journal(150))
-        h.teardown()
 
 
 def _ask(client: openai.OpenAI) -> str:

@@ -21,6 +21,7 @@ import pytest
 
 from capyctl.hosts.ssh import SshError, SshHost
 from tests.netns.rig import TwoHostRig, missing_requirements
+from tests.components import missing
 
 pytestmark = pytest.mark.sandbox
 
@@ -33,7 +34,7 @@ OFFLINE_DETECTION_BOUND_S = 30.0
 def rig() -> Iterator[TwoHostRig]:
     reason = missing_requirements()
     if reason:
-        pytest.skip(reason)
+        missing(reason)
     with TwoHostRig() as built:
         yield built
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import stat
 import subprocess
@@ -12,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from tests.sandbox.sandbox import Sandbox
+from tests.components import require_root
 
 UNITS = Path(__file__).resolve().parents[2] / "units"
 STUB = Path(__file__).resolve().parents[2] / "tests" / "sandbox" / "socket_activation_stub.py"
 
 
 def test_sysusers_and_tmpfiles_create_user_and_directories(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: systemd-tmpfiles sets owners")
+    require_root("(systemd-tmpfiles sets owners)")
     root = tmp_path / "root"
     (root / "etc").mkdir(parents=True)
     # --root keeps both tools out of the host's /etc, /var and /run.

@@ -7,7 +7,6 @@ this machine has none)."""
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 
 import openai
@@ -15,7 +14,7 @@ import pytest
 
 from tests.fakes import make_fake_tensorfold_venv
 
-from .capyhost import REPO, CapyHost
+from .capyhost import REPO, CapyHost, running_host
 
 pytestmark = [pytest.mark.sandbox]
 
@@ -30,21 +29,9 @@ sys.modules[__name__] = FakeNvml([FakeDevice(name="NVIDIA H100 80GB HBM3", uuid=
 
 @pytest.fixture(params=["cpu", "gpu"])
 def host(request):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to boot systemd in private namespaces")
-    h = CapyHost().boot()
-    try:
-        if request.param == "gpu":
-            shim = h.root / "fake-nvml"
-            shim.mkdir()
-            (shim / "pynvml.py").write_text(FAKE_PYNVML)
-            h.env["PYTHONPATH"] = str(shim)
-        h.start_daemon()
+    with running_host(fake_nvml=FAKE_PYNVML if request.param == "gpu" else None) as h:
         h.gpu = request.param == "gpu"
         yield h
-    finally:
-        print(h.daemon_journal(150))
-        h.teardown()
 
 
 def fake_stats(port: int) -> dict:

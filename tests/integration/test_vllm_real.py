@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -27,7 +26,7 @@ import pytest
 
 from tests.components import BUILD_CACHE, missing, require_vllm_venv
 
-from .capyhost import CapyHost, llama_server_path, smollm2_path
+from .capyhost import CapyHost, llama_server_path, running_host, smollm2_path
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.vllm]
 
@@ -80,17 +79,10 @@ def vllm_model(vllm_venv: Path) -> Path:
 
 @pytest.fixture
 def host():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to boot systemd in private namespaces")
     if llama_server_path() is None:
         missing("llama-server is not built; run scripts/build-llama-server (scripts/test does)")
-    h = CapyHost(env={"CAPYCTL_RAM_BUDGET": BUDGET}).boot()
-    try:
-        h.start_daemon()
+    with running_host(env={"CAPYCTL_RAM_BUDGET": BUDGET}, journal_lines=200) as h:
         yield h
-    finally:
-        print(h.daemon_journal(200))
-        h.teardown()
 
 
 def _curl_socket(host: CapyHost, path: str, *args: str) -> str:

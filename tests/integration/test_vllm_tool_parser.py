@@ -8,13 +8,12 @@ named tool choice returns structured tool_calls through the proxy."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import openai
 import pytest
 
-from .capyhost import CapyHost
+from .capyhost import running_host
 from .test_vllm_real import ENGINE_ARGS, vllm_model, vllm_venv  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.vllm]
@@ -32,15 +31,8 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 @pytest.fixture
 def host():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to boot systemd in private namespaces")
-    h = CapyHost().boot()
-    try:
-        h.start_daemon()
+    with running_host(journal_lines=200) as h:
         yield h
-    finally:
-        print(h.daemon_journal(200))
-        h.teardown()
 
 
 def test_vllm_serves_tool_calls_with_the_parser_chosen_from_the_family(host, vllm_venv, vllm_model):  # noqa: F811

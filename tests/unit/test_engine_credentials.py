@@ -13,6 +13,7 @@ from capyctl.config import Paths
 from capyctl.controller._controller import Controller
 from capyctl.errors import SystemdError
 from capyctl.systemd._units import TransientUnit
+from tests.components import missing, require_root
 
 
 def unit(**fields) -> TransientUnit:
@@ -89,11 +90,10 @@ async def test_keys_are_0600_files_where_it_does_not_and_that_is_tried_once(tmp_
     assert sum("not encrypted credentials" in r.message for r in caplog.records) == 1
 
 
-@pytest.mark.skipif(shutil.which("systemd-creds") is None, reason="needs systemd-creds (systemd 250 or newer)")
 async def test_a_key_sealed_by_the_real_systemd_creds_is_read_back_for_adoption(tmp_path: Path) -> None:
-    import os
-    if os.geteuid() != 0:
-        pytest.skip("needs root: systemd-creds encrypts with the host key in /var/lib/systemd")
+    if shutil.which("systemd-creds") is None:
+        missing("needs systemd-creds (systemd 250 or newer; scripts/setup installs Debian's systemd)")
+    require_root("(systemd-creds encrypts with the host key in /var/lib/systemd)")
     ctl = controller(tmp_path, creds_work=True)
 
     async def run(host, argv, *, input=None, timeout=60.0):

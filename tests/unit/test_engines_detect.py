@@ -14,6 +14,7 @@ from capyctl.engines import adapter_for, detect_engine
 from capyctl.errors import CapyError
 from capyctl.spec import EngineSpec
 from tests.fakes import SGLANG_VERSION, VLLM_VERSION, make_fake_sglang_venv, make_fake_vllm_venv
+from tests.components import missing
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build-llama-server"
 LLAMA_SERVER = Path("/var/cache/capyctl-build/llama-server-11434.0.0/llama-server")
@@ -28,7 +29,7 @@ def smollm2_gguf() -> Path:
 
 async def test_detects_the_built_llama_server():
     if not (LLAMA_SERVER.is_file()):
-        pytest.skip("llama-server is not built; run scripts/build-llama-server")
+        missing("llama-server is not built; run scripts/build-llama-server")
     spec = await detect_engine(str(LLAMA_SERVER), "llama-local")
     assert (spec.type, spec.name, spec.path) == ("llama.cpp", "llama-local", str(LLAMA_SERVER))
     # The version is what the binary itself printed.
@@ -38,7 +39,7 @@ async def test_detects_the_built_llama_server():
 
 async def test_detects_llama_server_in_a_directory(tmp_path):
     if not LLAMA_SERVER.is_file():
-        pytest.skip("llama-server is not built; run scripts/build-llama-server")
+        missing("llama-server is not built; run scripts/build-llama-server")
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "llama-server").symlink_to(LLAMA_SERVER)
     spec = await detect_engine(str(tmp_path))

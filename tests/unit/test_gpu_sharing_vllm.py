@@ -11,13 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from capyctl.config import DaemonConfig
 from capyctl.controller._memory import MemoryPlanner
 from capyctl.engines import LaunchContext, adapter_for
 from capyctl.hosts import host_inventory
 from capyctl.spec import EngineSpec, parse_manifest
+from tests.components import missing
 from tests.fakes.deployments import PlacedDeploymentFake
 from tests.fakes.fake_nvml import FakeDevice, FakeNvml, start_like_vllm
 
@@ -49,9 +48,7 @@ def vllm_venv() -> Path:
         return venv
     reason = (f"the CPU vLLM venv is not at {venv} (scripts/build-vllm-cpu builds it; "
               "CAPYCTL_TEST_VLLM_VENV points elsewhere)")
-    if os.environ.get("CI") == "true":
-        pytest.fail(reason)
-    pytest.skip(reason)
+    missing(reason)
 
 
 def server_args(argv: list[str]) -> list[str]:
