@@ -33,7 +33,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proxy_overhead import CLIENT_KEY, free_port, p95  # noqa: E402
-from proxy_vs_nginx import find_nginx, wait_healthy  # noqa: E402
+from proxy_vs_nginx import find_nginx, start_nginx, wait_healthy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from capyctl.store import Store  # noqa: E402
@@ -46,32 +46,17 @@ ANSWER = json.dumps({"id": "chatcmpl-1", "object": "chat.completion", "created":
 # Two nginx processes, each with one worker: the engine, and nginx as the proxy in front of it.
 # (One process for both would hand requests to its own engine without a process switch, which
 # no real engine allows, and make nginx's hop look free.)
-NGINX_COMMON = """\
-worker_processes 1;
-daemon off;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
-    keepalive_requests 1000000;
-{server}
-}}
-"""
 ENGINE_SERVER = """\
     server {{  # the engine: answers at once
         listen 127.0.0.1:{engine_port};
+        keepalive_requests 1000000;
         location / {{ default_type application/json; return 200 '{answer}'; }}
     }}"""
 PROXY_SERVER = """\
     upstream engine {{ server 127.0.0.1:{engine_port}; keepalive 32; }}
     server {{  # nginx as the proxy
         listen 127.0.0.1:{port};
+        keepalive_requests 1000000;
         location / {{
             proxy_pass http://engine;
             proxy_http_version 1.1;
@@ -150,16 +135,11 @@ def main() -> None:
     engine_port, nginx_port, proxy_port = free_port(), free_port(), free_port()
     servers = {"engine": ENGINE_SERVER.format(engine_port=engine_port, answer=ANSWER),
                "proxy": PROXY_SERVER.format(engine_port=engine_port, port=nginx_port)}
-    for name, server in servers.items():
-        for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (prefix / name / sub).mkdir(parents=True)
-        (prefix / name / "nginx.conf").write_text(NGINX_COMMON.format(prefix=prefix / name, server=server))
     _, store_key = Store(prefix / "state.db").create_key("bench")  # the daemon's keys, in SQLite
     processes: list[subprocess.Popen] = []
     try:
-        for name in servers:
-            processes.append(subprocess.Popen([nginx, "-p", str(prefix / name), "-c", str(prefix / name / "nginx.conf"),
-                                               "-e", str(prefix / name / "error.log")], stderr=subprocess.DEVNULL))
+        for name, server in servers.items():
+            processes.append(start_nginx(nginx, prefix / name, server, stderr=subprocess.DEVNULL))
         proxy = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
              "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", "launch",

@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proxy_overhead import (CLIENT_KEY, find_model, free_port, load_arguments, one_request,  # noqa: E402
                             one_stream, p95)
 
-NGINX_CONF = """\
+# nginx with one worker, its files in a folder of its own; {server}: the http block's servers.
+NGINX_MAIN = """\
 worker_processes 1;
 daemon off;
 pid {prefix}/nginx.pid;
@@ -55,6 +56,10 @@ http {{
     fastcgi_temp_path {prefix}/fastcgi;
     uwsgi_temp_path {prefix}/uwsgi;
     scgi_temp_path {prefix}/scgi;
+{server}
+}}
+"""
+PROXY_SERVER = """\
     upstream llama {{ server 127.0.0.1:{engine_port}; keepalive 32; }}
     server {{
         listen 127.0.0.1:{port};
@@ -67,9 +72,16 @@ http {{
             proxy_buffering off;
             proxy_read_timeout 600s;
         }}
-    }}
-}}
-"""
+    }}"""
+
+
+def start_nginx(nginx: str, folder: Path, server: str, **popen: object) -> subprocess.Popen:
+    """nginx serving ``server`` (NGINX_MAIN's servers), with its configuration and files in ``folder``."""
+    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    (folder / "nginx.conf").write_text(NGINX_MAIN.format(prefix=folder, server=server))
+    return subprocess.Popen([nginx, "-p", str(folder), "-c", str(folder / "nginx.conf"),
+                             "-e", str(folder / "error.log")], **popen)  # type: ignore[arg-type]
 
 
 def find_nginx(explicit: str | None) -> str:
@@ -148,10 +160,6 @@ async def main() -> None:
     engine_port, launch_key = free_port(), secrets.token_hex(16)
     prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-nginx-"))
     nginx_port, proxy_port, litellm_port = free_port(), free_port(), free_port()
-    for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
-        (prefix / sub).mkdir()
-    (prefix / "nginx.conf").write_text(NGINX_CONF.format(prefix=prefix, engine_port=engine_port, port=nginx_port,
-                                                         launch_key=launch_key))
     processes: list[subprocess.Popen] = []
     litellm_status: dict[str, object] = {"measured": False, "error": "not asked for (--litellm)"}
     try:
@@ -163,9 +171,9 @@ async def main() -> None:
             [args.llama_server, "-m", find_model(), "--host", "127.0.0.1", "--port", str(engine_port),
              "-c", str(max(2048, (args.tokens + 128) * slots)), "--parallel", str(slots), "--kv-unified", "-t", "2",
              "--api-key", launch_key], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        processes.append(subprocess.Popen(
-            [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-e", str(prefix / "error.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        processes.append(start_nginx(nginx, prefix, PROXY_SERVER.format(engine_port=engine_port, port=nginx_port,
+                                                                        launch_key=launch_key),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         processes.append(subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
              "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", launch_key,
