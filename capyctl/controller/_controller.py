@@ -387,21 +387,11 @@ class Controller:
         except FileNotFoundError:
             return None
 
-    def remove_secret_key(self, name: str) -> None:
-        self._secret_path(name).unlink(missing_ok=True)
-        self._legacy_env_path(name).unlink(missing_ok=True)
-        self._sealed_path(name).unlink(missing_ok=True)
-
     async def remove_secret_key_on(self, host: str, name: str) -> None:
-        """The launch's key file, on the host its unit ran on (an offline host keeps it)."""
-        if host == LOCAL:
-            self.remove_secret_key(name)
-        elif self.hosts.entries.get(host) is not None:
-            try:
-                await self.hosts.run(host, ["rm", "-f", str(self._secret_path(name)), str(self._legacy_env_path(name)),
-                                            str(self._sealed_path(name))])
-            except CapyError as exc:
-                log.warning("could not remove the key file of %s on %s: %s", name, host, exc)
+        """The launch's key file (clear, encrypted or a legacy environment file), on the host its
+        unit ran on (an offline host keeps it)."""
+        await self._remove_files_on(host, [self._secret_path(name), self._legacy_env_path(name),
+                                           self._sealed_path(name)])
 
     async def journal(self, unit: str, lines: int, host: str = LOCAL) -> list[str]:
         if host != LOCAL:
