@@ -25,10 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import DeploymentSpec
-
-
-def _has(args: list[str], name: str) -> bool:
-    return any(a == name or a.startswith(name + "=") for a in args)
+from ._base import has_flag
 
 
 TOOL_FLAG, REASONING_FLAG, AUTO_TOOL_CHOICE_FLAG = "--tool-call-parser", "--reasoning-parser", "--enable-auto-tool-choice"
@@ -134,7 +131,7 @@ def choose_parsers(kind: str, deployment: DeploymentSpec, model_path: str | None
     family = next((f for f in FAMILIES if model_type in f.model_types), None)
 
     def one(setting: str, flag: str, rules_of) -> tuple[str | None, str]:
-        if _has(user, flag):
+        if has_flag(user, flag):
             return None, "engine_args"
         if setting == "none":
             return None, "off"
@@ -157,7 +154,7 @@ def parser_flags(kind: str, choice: ParserChoice, user: list[str]) -> list[str]:
     flags: list[str] = []
     if choice.tool_call_parser:
         flags += [TOOL_FLAG, choice.tool_call_parser]
-        if kind == "vllm" and not _has(user, AUTO_TOOL_CHOICE_FLAG):
+        if kind == "vllm" and not has_flag(user, AUTO_TOOL_CHOICE_FLAG):
             flags.append(AUTO_TOOL_CHOICE_FLAG)
     if choice.reasoning_parser:
         flags += [REASONING_FLAG, choice.reasoning_parser]
