@@ -272,9 +272,7 @@ async def revoke_key(request: web.Request) -> web.Response:
 # -- hosts ------------------------------------------------------------------------------------------
 
 async def _local_host_row(ctl: Controller) -> dict:
-    from ..hosts import host_inventory
-    inv = await asyncio.to_thread(host_inventory)
-    ctl.hosts.set_local_info(inv.to_dict())
+    ctl.hosts.set_local_info(await ctl.hosts.local_inventory())
     return ctl.describe_host("local")
 
 

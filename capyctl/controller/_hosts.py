@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from ..config import deployment_from_unit
 from ..errors import CapyError, Conflict, NotFound, Unavailable
 from ..hosts.ssh import SshHost
 from ..scheduler import GpuCard, HostResources
@@ -91,6 +92,23 @@ def parse_target(target: str) -> tuple[str | None, str]:
     """``[user@]address`` -> (user, address)."""
     user, sep, address = target.rpartition("@")
     return (user or None) if sep else None, address
+
+
+async def attribute_gpu_processes(systemd: Any, gpus: list[dict]) -> None:
+    """Name the unit and deployment of each GPU process (host-info's ``gpus``) whose cgroup /proc
+    did not show (the packaged daemon runs with ProtectProc=invisible; a process may live in another
+    pid namespace): the system manager knows every process's unit (GetUnitByPID)."""
+    if systemd is None:
+        return
+    for gpu in gpus:
+        for proc in gpu.get("processes") or []:
+            if proc.get("unit") is not None:
+                continue
+            with contextlib.suppress(CapyError):
+                unit = await systemd.unit_of_pid(int(proc["pid"]))
+                deployment = deployment_from_unit(unit) if unit else None
+                if deployment is not None:
+                    proc["unit"], proc["deployment"] = unit, deployment
 
 
 class HostRegistry:
@@ -400,15 +418,14 @@ class HostRegistry:
     async def check(self, name: str) -> dict:
         entry = self.get(name)
         if entry.ssh is None:
-            from ..hosts import host_inventory
             started = time.monotonic()
             version = await asyncio.to_thread(subprocess.run, ["systemctl", "--version"], capture_output=True,
                                               text=True)
             match = re.match(r"systemd (\d+)", version.stdout)
-            inv = await asyncio.to_thread(host_inventory)
             return {"host": name, "target": None, "reachable": True,
                     "latency_ms": round((time.monotonic() - started) * 1000, 1),
-                    "systemd_version": int(match.group(1)) if match else None, "host_info": inv.to_dict()}
+                    "systemd_version": int(match.group(1)) if match else None,
+                    "host_info": await self.local_inventory()}
         report = await entry.ssh.check([local_capyctl()])
         if report.get("host_info") is None and report.get("reachable"):
             with contextlib.suppress(CapyError):
@@ -434,3 +451,11 @@ class HostRegistry:
 
     def set_local_info(self, info: dict) -> None:
         self.entries[LOCAL].info = info
+
+    async def local_inventory(self) -> dict:
+        """This host's ``host-info`` (NVML, RAM, CPUs), its GPU processes attributed to units."""
+        from ..hosts import host_inventory
+        info = (await asyncio.to_thread(host_inventory)).to_dict()
+        entry = self.entries.get(LOCAL)
+        await attribute_gpu_processes(entry.systemd if entry is not None else None, info.get("gpus") or [])
+        return info

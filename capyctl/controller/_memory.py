@@ -413,11 +413,17 @@ async def read_gpus(ctl: Any, host: str) -> list[dict[str, Any]] | None:
     """NVML's view of ``host``'s cards as host-info reports them; None when it cannot be read."""
     if host == LOCAL:
         from ..hosts import NvmlUnavailable, gpu_inventory
+        from ._hosts import attribute_gpu_processes
         try:
-            gpus = await asyncio.to_thread(gpu_inventory)
+            gpus = [asdict(g) for g in await asyncio.to_thread(gpu_inventory)]
         except NvmlUnavailable:
             return None
-        return [asdict(g) for g in gpus]
+        try:
+            systemd = ctl.hosts.systemd(LOCAL)
+        except CapyError:
+            systemd = None
+        await attribute_gpu_processes(systemd, gpus)
+        return gpus
     entry = ctl.hosts.get(host)
     if entry.ssh is None or not entry.online:
         return None

@@ -69,9 +69,8 @@ class UsageView:
     async def _read_host(self, host: str, snapshot: _Snapshot) -> None:
         ctl = self.ctl
         if host == LOCAL:
-            from ..hosts import host_inventory
             try:
-                snapshot.inventory[host] = (await asyncio.to_thread(host_inventory)).to_dict()
+                snapshot.inventory[host] = await ctl.hosts.local_inventory()
             except Exception as exc:  # /proc unreadable: say so rather than fail the whole view
                 snapshot.inventory_unknown[host] = f"this host's inventory could not be read: {exc}"
             return

@@ -262,6 +262,20 @@ class SystemdClient:
             return None
         return _state_from(name, unit, service)
 
+    async def unit_of_pid(self, pid: int) -> str | None:
+        """The name of the unit a process runs in, or None (no unit, or no such process).
+
+        systemd answers for every process, also where /proc/<pid>/cgroup cannot be read (hidepid,
+        another pid namespace)."""
+        try:
+            path = await self.manager.get_unit_by_pid(pid)
+            name = await Unit(self._bus, path).get("Id")
+        except SystemdError as exc:
+            if exc.code == "unit_not_found" or "UnknownObject" in str(exc.detail.get("dbus_error")):
+                return None
+            raise
+        return str(name) if name else None
+
     async def list_units(self, pattern: str = "capyctl-*.service") -> list[UnitState]:
         rows = await self.manager.list_units_by_patterns([], [pattern])
         states = []

@@ -25,6 +25,8 @@ PROPERTIES_IFACE = "org.freedesktop.DBus.Properties"
 _ERROR_CODES = {
     "org.freedesktop.systemd1.NoSuchUnit": "unit_not_found",
     "org.freedesktop.systemd1.LoadFailed": "unit_not_found",
+    # GetUnitByPID of a process outside every unit, or gone (src/core/dbus-manager.c, BUS_ERROR_NO_UNIT_FOR_PID).
+    "org.freedesktop.systemd1.NoUnitForPID": "unit_not_found",
     "org.freedesktop.systemd1.UnitExists": "unit_exists",
     "org.freedesktop.DBus.Error.AccessDenied": "access_denied",
     "org.freedesktop.DBus.Error.ServiceUnknown": "dbus_unavailable",
@@ -91,6 +93,10 @@ class Manager(_Interface):
 
     async def get_unit(self, name: str) -> str:
         (path,) = await self._call("GetUnit", "s", [name], what=name)
+        return path
+
+    async def get_unit_by_pid(self, pid: int) -> str:
+        (path,) = await self._call("GetUnitByPID", "u", [pid], what=f"for PID {pid}")
         return path
 
     async def start_transient_unit(self, name: str, mode: str,

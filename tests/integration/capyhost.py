@@ -49,6 +49,30 @@ def smollm2_path() -> str | None:
     return str(path) if path.is_file() else None
 
 
+# units/capyctl.service settings that are not its sandbox: how it starts, reloads and restarts,
+# and its group and state directory (the sandbox shares the host's /etc/group and /var).
+_NOT_SANDBOX = {"Type", "NotifyAccess", "ExecStartPre", "ExecStart", "ExecReload", "Sockets", "Environment",
+                "KillMode", "Restart", "RestartSec", "TimeoutStopSec", "Group", "StateDirectory",
+                "StateDirectoryMode"}
+
+
+def packaged_sandbox(unit: Path = REPO / "units" / "capyctl.service") -> list[str]:
+    """The [Service] settings that confine the packaged daemon (User=, ProtectSystem=,
+    SystemCallFilter=, CapabilityBoundingSet=, ...), as ``Key=value`` lines for systemd-run: the
+    test daemon runs inside the same sandbox as the installed one, so whatever that sandbox
+    denies fails here too."""
+    settings, section = [], None
+    for line in unit.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            section = line
+        elif section == "[Service]" and line and not line.startswith("#") and "=" in line:
+            key = line.split("=", 1)[0]
+            if key not in _NOT_SANDBOX:
+                settings.append(line)
+    return settings
+
+
 class CapyHost:
     def __init__(self, name: str | None = None, *, env: dict[str, str] | None = None) -> None:
         self.name = name or f"capy{secrets.token_hex(3)}"
@@ -88,8 +112,12 @@ class CapyHost:
         env = {"CAPYCTL_STATE_DIR": str(self.state_dir), "CAPYCTL_RUNTIME_DIR": str(self.runtime_dir),
                "CAPYCTL_LOG_LEVEL": "DEBUG", **self.env}
         self.sh("systemctl", "reset-failed", "capytest-daemon.service", check=False)
+        # What units/capyctl.service's ExecStartPre=+ does before the sandboxed daemon starts.
+        self.sh("systemd-creds", "setup", check=False)
         argv = ["systemd-run", "--unit=capytest-daemon", "--service-type=notify", "--collect",
                 f"--property=TimeoutStartSec={int(timeout)}"]
+        argv += [f"--property={setting}" for setting in packaged_sandbox()]
+        argv.append(f"--property=ReadWritePaths={self.root}")
         for k, v in env.items():
             argv.append(f"--setenv={k}={v}")
         argv += [str(CAPYCTL), "start", "standalone", "--listen", f"127.0.0.1:{self.port}"]

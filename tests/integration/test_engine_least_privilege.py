@@ -11,6 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+
 import openai
 import pytest
 
@@ -95,3 +99,44 @@ def test_an_engine_runs_unprivileged_and_reaches_nothing_of_capyctl(capyhost, sm
     capyhost.cli("delete", "deployment", "smol")
     assert not sealed.exists()
     assert (capyhost.state_dir / "secrets" / "other.cred").exists()
+
+
+# A `pynvml` for the daemon: one card whose compute processes are those listed in a JSON file
+# the test writes (pid, bytes), re-read at every query as NVML reports live processes.
+FAKE_PYNVML = """import json, os, sys
+sys.path.insert(0, {repo!r})
+from tests.fakes.fake_nvml import FakeDevice, FakeNvml
+_nvml = FakeNvml([FakeDevice(name="NVIDIA L4", uuid="GPU-fake-0", minor=0, total=24 << 30)])
+_query = _nvml.nvmlDeviceGetComputeRunningProcesses
+def _live(handle):
+    if os.path.exists({listing!r}):
+        with open({listing!r}) as f:
+            handle.compute[:] = [tuple(p) for p in json.load(f)]
+    return _query(handle)
+_nvml.nvmlDeviceGetComputeRunningProcesses = _live
+sys.modules[__name__] = _nvml
+"""
+
+
+def test_the_sandboxed_daemon_still_attributes_gpu_processes_to_deployments(smollm2):
+    """The daemon runs in the packaged unit's sandbox (ProtectProc=invisible, no CAP_SYS_PTRACE) and
+    still names each GPU process by its deployment, which is how parked-in-place memory and the
+    memory measurements are checked."""
+    from .capyhost import REPO, llama_server_path, running_host
+    listing = "/var/lib/capyctl-tests/gpu-processes.json"
+    with running_host(fake_nvml=FAKE_PYNVML.format(repo=str(REPO), listing=listing)) as host:
+        try:
+            assert host.unit_property("capytest-daemon.service", "ProtectProc") == "invisible"
+            host.cli("engine", "add", llama_server_path(), "--name", "llama")
+            _deploy(host, "smol", smollm2)
+            pid = host.unit_property("capyctl-smol.service", "MainPID")
+            with open(listing, "w") as f:
+                json.dump([[int(pid), 1 << 30], [1, 1 << 20]], f)
+            card = host.cli_json("host", "check", "local")["host_info"]["gpus"][0]
+            by_pid = {p["pid"]: p for p in card["processes"]}
+            assert by_pid[int(pid)]["deployment"] == "smol", card
+            assert by_pid[int(pid)]["unit"] == "capyctl-smol.service"
+            assert by_pid[1]["deployment"] is None  # PID 1 is in no deployment's unit
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(listing)

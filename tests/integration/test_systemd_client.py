@@ -193,6 +193,10 @@ async def test_list_units_finds_units_with_markers(sandbox: Sandbox) -> None:
         assert beta.description == "CapyCTL deployment beta (rev 7, custom)"
         assert beta.control_group == "/capyctl.slice/capyctl-beta.service"
         assert beta.main_pid > 0
+        # systemd names the unit of any process (GetUnitByPID), and of none for one that is gone.
+        assert await client.unit_of_pid(beta.main_pid) == "capyctl-beta.service"
+        assert await client.unit_of_pid(1) == "init.scope"
+        assert await client.unit_of_pid(2**22 + 1) is None  # above the kernel's pid_max
     finally:
         await client.close()
 

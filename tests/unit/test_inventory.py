@@ -104,6 +104,33 @@ def test_fake_nvml_gives_the_gpu_list_and_maps_processes_to_deployments(fake_nvm
     assert fake_nvml.init_count == 0  # every nvmlInit was paired with nvmlShutdown
 
 
+async def test_processes_proc_does_not_show_are_named_by_systemd(fake_nvml: FakeNvml, fake_proc: Path) -> None:
+    """The daemon's fallback where /proc hides a process (hidepid, another pid namespace): systemd's
+    unit of each pid (GetUnitByPID); one outside CapyCTL's units, or unknown, stays unnamed."""
+    from dataclasses import asdict
+
+    from capyctl.controller._hosts import attribute_gpu_processes
+    from capyctl.errors import SystemdError
+
+    class Systemd:  # SystemdClient.unit_of_pid as tests/integration/test_systemd_client.py checks it
+        asked: list[int] = []
+
+        async def unit_of_pid(self, pid: int) -> str | None:
+            self.asked.append(pid)
+            if pid == 4200:
+                raise SystemdError("the bus went away", code="dbus_unavailable")
+            return {4300: "capyctl-late.service"}.get(pid, "user@0.service")
+
+    gpus = [asdict(g) for g in gpu_inventory(fake_proc)]
+    systemd = Systemd()
+    await attribute_gpu_processes(systemd, gpus)
+    assert sorted(set(systemd.asked)) == [4200, 4300]  # only those /proc did not name
+    assert [(p["pid"], p["deployment"], p["unit"]) for p in gpus[1]["processes"]] == [
+        (4102, "llama-70b", "capyctl-llama-70b.service"), (4300, "late", "capyctl-late.service")]
+    assert [(p["pid"], p["deployment"]) for p in gpus[2]["processes"]] == [(4200, None)]
+    await attribute_gpu_processes(None, gpus)  # no systemd connection: nothing to add, no error
+
+
 def test_fake_gpu_host_inventory_feeds_the_scheduler(fake_nvml: FakeNvml, fake_proc: Path) -> None:
     inventory = host_inventory(fake_proc)
     assert inventory.nvml_error is None and not inventory.is_cpu_host
