@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -87,8 +88,10 @@ def main() -> None:
             parked.append(figures["parked_ttft_s"]["median"])
             cold.append(figures["cold_ttft_s"]["median"])
             warm.append(figures["warm_ttft_s"]["median"])
+        journal = host.sh("journalctl", "-u", "capytest-daemon.service", "-o", "cat", "--no-pager").stdout
     finally:
         host.teardown()
+    stages = wake_stages(journal)
 
     def ms(values: list[float]) -> str:
         return f"{statistics.median(values) * 1000:9.1f} ms"
@@ -99,9 +102,30 @@ def main() -> None:
     print(f"{'CapyCTL: parked -> first token (wake)':44}{ms(parked)}{statistics.median(parked) / base:>10.3f}")
     print(f"{'CapyCTL: stopped -> first token (cold)':44}{ms(cold)}{statistics.median(cold) / base:>10.3f}")
     print(f"{'CapyCTL: ready -> first token':44}{ms(warm)}{statistics.median(warm) / base:>10.3f}")
+    for kind, by_stage in stages.items():
+        print(f"where a wake's time went in the daemon ({kind}, medians of {len(next(iter(by_stage.values())))}):")
+        for stage, values in by_stage.items():
+            print(f"  {stage:40}{ms(values)}")
     if args.json:
         args.json.write_text(json.dumps({"runs": args.runs, "manual_s": manual, "parked_s": parked, "cold_s": cold,
-                                         "warm_s": warm}))
+                                         "warm_s": warm, "stages_s": stages}))
+
+
+# The daemon's line at the end of every wake (controller/_actor.py, _Laps):
+# "deployment NAME: ready in 0.543s, woken from its park (make room 1 ms, ..., proof 110 ms)".
+_READY = re.compile(r"deployment \S+: ready in (?P<total>[\d.]+)s, (?P<kind>[^(]+) \((?P<stages>[^)]*)\)")
+
+
+def wake_stages(journal: str) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each stage of every wake the daemon logged, by kind (started, woken from its park)."""
+    found: dict[str, dict[str, list[float]]] = {}
+    for match in _READY.finditer(journal):
+        by_stage = found.setdefault(match["kind"].strip(), {})
+        by_stage.setdefault("total", []).append(float(match["total"]))
+        for part in match["stages"].split(", "):  # "credentials and confinement 20 ms"
+            stage, milliseconds, _unit = part.rsplit(" ", 2)
+            by_stage.setdefault(stage, []).append(float(milliseconds) / 1000)
+    return found
 
 
 if __name__ == "__main__":

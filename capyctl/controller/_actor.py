@@ -47,6 +47,27 @@ RESTART_BACKOFF_MAX_S = 300.0
 Progress = Callable[[str], None]
 
 
+# The health poll's interval while a start is young (the first 2 s), then 50 ms, backing off after 30 s.
+HEALTH_POLL_S = 0.02
+
+
+class _Laps:
+    """Seconds each stage of a wake took (make room, credentials and confinement, unit start, health,
+    proof): the journal line of every wake, so that a slow one says where its time went."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def lap(self, stage: str) -> None:
+        now = time.monotonic()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{stage} {seconds * 1000:.0f} ms" for stage, seconds in self.stages.items())
+
+
 def _no_progress(_: str) -> None:
     pass
 
@@ -94,6 +115,7 @@ class DeploymentActor:
         self.model_path: str | None = None
         self.model_commit: str | None = revision.model_commit
         self.parked_in_place = False
+        self._laps = _Laps()  # the current wake's stages (_do_wake)
         # The park record (tier reached, wake seconds, proof after wake, the proof's reference),
         # kept in the store across daemon restarts (_parking.py).
         self.park_record: dict[str, Any] = controller.load_park_record(self.name) or new_park_record(RESTART)
@@ -323,10 +345,12 @@ class DeploymentActor:
         if self.spec.nodes > 1:
             return await self._wake_group(progress)
         started = time.monotonic()
+        self._laps = laps = _Laps()
         # A wake from a park is proven against what the model generated before it; a start records that.
         woken_from_park = self.state == PARKED
         try:
             await self.controller.make_room(self, progress)
+            laps.lap("make room")
             if self.state == PARKED and self.parked_in_place and await self._unit_active():
                 self._set(WAKING)
                 progress("waking the engine in place")
@@ -337,11 +361,14 @@ class DeploymentActor:
                                  model_path=self.model_path),
                     timeout=self.spec.timeouts.wake)
                 self.parked_in_place = False
+                laps.lap("wake in place")
             else:
                 self._set(STARTING if self.state in (STOPPED, FAILED) else WAKING)
                 await self._launch(progress)
             await self._wait_healthy(progress, self.spec.timeouts.start)
+            laps.lap("health")
             await self._prove(progress, woken_from_park, time.monotonic() - started)
+            laps.lap("proof")
         except asyncio.TimeoutError:
             await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
             raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
@@ -352,6 +379,8 @@ class DeploymentActor:
         self.failures = 0
         self.wakes += 1
         self._set(READY)
+        log.info("deployment %s: ready in %.3fs, %s (%s)", self.name, time.monotonic() - started,
+                 "woken from its park" if woken_from_park else "started", laps)
         progress(f"ready in {time.monotonic() - started:.1f}s")
         return self.state
 
@@ -453,11 +482,15 @@ class DeploymentActor:
         self.served_model = plan.served_model
         # The key and SGLang's config file become systemd credentials of the unit: no environment
         # file, property or argv holds them, and only the unit's own user can read them.
-        credentials, encrypted = await ctl.launch_credentials_on(self.host, self.name, self.key,
-                                                                 plan.secret_file_contents(self.key))
-        self.secret_files = sorted(plan.secret_files)
         devices = ctl.gpu_device_nodes(self.host, gpu_indices)
-        confined = await ctl.engine_confinement(self.host, self.name, engine_location(engine), resolved.path, devices)
+        self._laps.lap("prepare")
+        # Sealing the credentials and probing what the unit may see are independent round trips
+        # to the host (systemd-creds, a shell): both at once, off the wake's critical path.
+        (credentials, encrypted), confined = await asyncio.gather(
+            ctl.launch_credentials_on(self.host, self.name, self.key, plan.secret_file_contents(self.key)),
+            ctl.engine_confinement(self.host, self.name, engine_location(engine), resolved.path, devices))
+        self.secret_files = sorted(plan.secret_files)
+        self._laps.lap("credentials and confinement")
         environment = {**confined.environment, **plan.environment, **gpu_order_environment(gpu_indices),
                        **self.spec.env}
         unit = TransientUnit(
@@ -479,6 +512,7 @@ class DeploymentActor:
         self._unit_exited.clear()
         self._expect_exit = False
         await self.systemd.start_transient(unit)
+        self._laps.lap("unit start")
         self._start_watch()
         await self._ensure_forward()
 
@@ -510,7 +544,7 @@ class DeploymentActor:
         base = self.upstream().base_url
         began = time.monotonic()
         last_note = began
-        delay = 0.05
+        delay = HEALTH_POLL_S
         while True:
             if self._unit_exited.is_set():
                 raise CapyError(f"the engine exited before it was healthy: {self.reason or 'see its journal'}",
@@ -524,13 +558,15 @@ class DeploymentActor:
                 progress(f"waiting for the engine's health check ({now - began:.0f}s)")
                 last_note = now
             # The exit watcher wakes this loop at once. A loopback health probe costs about a
-            # millisecond, so poll every 50 ms while a wake is young (every poll interval is added
-            # to the wake latency: backing off to 0.5 s cost ~0.5 s per wake, benchmarks/
+            # millisecond, so poll every 20 ms while a wake is young (half an interval is added to
+            # each wake on average: backing off to 0.5 s cost ~0.5 s per wake, benchmarks/
             # wake_vs_manual.py), and back off only for long loads of big models.
             try:
                 await asyncio.wait_for(self._unit_exited.wait(), timeout=delay)
             except asyncio.TimeoutError:
                 pass
+            if now - began > 2:
+                delay = max(delay, 0.05)
             if now - began > 30:
                 delay = min(delay * 1.5, 0.5)
 
