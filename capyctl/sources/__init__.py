@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Callable
 
 from ..spec import HubModel, PathModel
-from ._hub import hub_offline, resolve_hub
 from ._local import resolve_local, size_of
+
+# huggingface_hub (about 10 MiB of the daemon's memory, 250 modules) is imported by the first Hub
+# model, not by a daemon whose models are all paths on the host (benchmarks/daemon_scale.py).
 
 # progress(stage, done_bytes, total_bytes or None); called from the event loop.
 ProgressCallback = Callable[[str, int, "int | None"], None]
@@ -39,8 +41,15 @@ async def resolve_model(model: HubModel | PathModel, *, engine_kind: str, models
     if isinstance(model, PathModel):
         path = await asyncio.to_thread(resolve_local, model.path, engine_kind)
         return ResolvedModel(str(path), None, await asyncio.to_thread(size_of, path))
+    from ._hub import resolve_hub
     path, sha, size = await resolve_hub(model, engine_kind, Path(models_dir), progress)
     return ResolvedModel(str(path), sha, size)
+
+
+def hub_offline() -> bool:
+    """Whether the Hub is not to be asked (HF_HUB_OFFLINE)."""
+    from ._hub import hub_offline as offline
+    return offline()
 
 
 __all__ = ["ProgressCallback", "ResolvedModel", "hub_offline", "resolve_model"]

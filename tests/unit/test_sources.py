@@ -9,7 +9,8 @@ import os
 import struct
 from pathlib import Path
 
-import pytest
+import huggingface_hub.constants  # noqa: F401 - reads HF_HUB_OFFLINE once, at import: here, not
+import pytest  # inside the first test that sets it (capyctl.sources imports it at a Hub model's first use)
 
 from capyctl.errors import CapyError
 from capyctl.sources import ResolvedModel, resolve_model
@@ -180,3 +181,20 @@ async def test_directory_engines_need_a_directory(tmp_path):
         await resolve_model(PathModel(path=str(tmp_path / "model.safetensors")), engine_kind="sglang",
                             models_dir=tmp_path)
     assert err.value.code == "model_not_directory"
+
+
+def test_a_daemon_whose_models_are_paths_never_imports_huggingface_hub(tmp_path: Path) -> None:
+    """huggingface_hub is about 10 MiB of the daemon's RSS (benchmarks/daemon_scale.py): the daemon
+    and a path model's resolution leave it out; the first Hub model brings it in."""
+    import subprocess
+    import sys
+    code = ("import asyncio, sys\n"
+            "import capyctl.daemon\n"
+            "from capyctl.sources import resolve_model\n"
+            "from capyctl.spec import PathModel\n"
+            f"asyncio.run(resolve_model(PathModel(path={str(smollm2_gguf())!r}), engine_kind='llama.cpp',\n"
+            f"                          models_dir={str(tmp_path)!r}))\n"
+            "print('huggingface_hub' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
