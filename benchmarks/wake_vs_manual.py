@@ -1,8 +1,9 @@
 """Waking a parked deployment through CapyCTL against starting llama-server by hand.
 
 Baseline, measured in the same run: start the llama-server process (SmolLM2 135M, the
-arguments CapyCTL's llama.cpp adapter uses) and send a request as soon as it accepts one;
-the figure is process start → first token. CapyCTL: a sandboxed host (systemd as PID 1,
+arguments CapyCTL's llama.cpp adapter uses) and send a request as soon as it accepts one (the
+same request, a 16-word prompt no cache has seen, as the one sent through CapyCTL); the figure
+is process start → first token. CapyCTL: a sandboxed host (systemd as PID 1,
 the daemon as capyctl.service, tests/integration/capyhost.py) with the same model deployed;
 park it (llama.cpp parks by stopping its unit), then request → first token; and the same
 from stopped (cold). Runs alternate so drift in the machine's load hits both alike.
@@ -25,8 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from capyctl.bench import BenchConfig, Control, Endpoint, stream_chat  # noqa: E402
-from capyctl.bench._core import measure_wake  # noqa: E402
+from capyctl.bench import BenchConfig, Control, Endpoint, make_prompt, stream_chat  # noqa: E402
+from capyctl.bench._core import _nonce, measure_wake  # noqa: E402
 from capyctl.engines.llamacpp import DEFAULT_CONTEXT  # noqa: E402
 from tests.integration.capyhost import CapyHost, free_port, llama_server_path, smollm2_path  # noqa: E402
 
@@ -38,10 +39,14 @@ def manual_start_to_first_token(binary: str, model: str) -> float:
     process = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--alias",
                                 "smollm2", "--jinja", "-c", str(DEFAULT_CONTEXT), "-t", str(os.cpu_count())],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The request measure_wake sends through CapyCTL (capyctl/bench/_core.py, _first_token_after):
+    # a 16-word prompt no cache has seen, 2 tokens. A shorter prompt here ("Hi.", as before) left
+    # about 25 prompt tokens (some 100 ms on 2 cores) out of the baseline that CapyCTL's side paid.
+    prompt = make_prompt(16, _nonce())
     try:
         while True:
             sent = time.perf_counter()
-            result = stream_chat(endpoint, "Hi.", 2)
+            result = stream_chat(endpoint, prompt, 2, ignore_eos=True)
             if result.ok and result.ttft is not None:
                 return sent + result.ttft - started
             # Refused (not listening yet) or 503 (loading the model): ask again at once, as a

@@ -49,6 +49,9 @@ Progress = Callable[[str], None]
 
 # The health poll's interval while a start is young (the first 2 s), then 50 ms, backing off after 30 s.
 HEALTH_POLL_S = 0.02
+# A restart wake's proof waits for the requests it woke for to be answered, at most this long
+# under steady traffic (then it runs beside them).
+PROOF_IDLE_WAIT_S = 30.0
 
 
 class _Laps:
@@ -79,7 +82,7 @@ class Busy(CapyError):
 
 @dataclass
 class _Command:
-    op: str  # wake | park | stop | delete | unit_exited
+    op: str  # wake | park | stop | delete | unit_exited | restart_after_failed_proof | ...
     future: asyncio.Future
     args: dict[str, Any] = field(default_factory=dict)
 
@@ -116,6 +119,7 @@ class DeploymentActor:
         self.model_commit: str | None = revision.model_commit
         self.parked_in_place = False
         self._laps = _Laps()  # the current wake's stages (_do_wake)
+        self._proof_task: asyncio.Task | None = None  # a restart wake's proof, after its requests
         # The park record (tier reached, wake seconds, proof after wake, the proof's reference),
         # kept in the store across daemon restarts (_parking.py).
         self.park_record: dict[str, Any] = controller.load_park_record(self.name) or new_park_record(RESTART)
@@ -348,6 +352,7 @@ class DeploymentActor:
         self._laps = laps = _Laps()
         # A wake from a park is proven against what the model generated before it; a start records that.
         woken_from_park = self.state == PARKED
+        woken_in_place = False
         try:
             await self.controller.make_room(self, progress)
             laps.lap("make room")
@@ -361,14 +366,20 @@ class DeploymentActor:
                                  model_path=self.model_path),
                     timeout=self.spec.timeouts.wake)
                 self.parked_in_place = False
+                woken_in_place = True
                 laps.lap("wake in place")
             else:
                 self._set(STARTING if self.state in (STOPPED, FAILED) else WAKING)
                 await self._launch(progress)
             await self._wait_healthy(progress, self.spec.timeouts.start)
             laps.lap("health")
-            await self._prove(progress, woken_from_park, time.monotonic() - started)
-            laps.lap("proof")
+            if woken_from_park and not woken_in_place:
+                # A wake that started the unit afresh is a clean start of the same files, as a cold
+                # start is: the requests it woke for go first, its proof follows them.
+                self._prove_after_requests(time.monotonic() - started)
+            else:
+                await self._prove(progress, woken_from_park, time.monotonic() - started)
+                laps.lap("proof")
         except asyncio.TimeoutError:
             await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
             raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
@@ -399,17 +410,87 @@ class DeploymentActor:
         model); after a wake, generate it again and compare. A failed proof restarts the engine
         cleanly (a cold start is the floor, and its generation becomes the reference); after
         MAX_PROOF_FAILURES in a row the in-place park is turned off, with the reason."""
+        failure = await self._check_proof(woken_from_park, wake_seconds)
+        if failure is None:
+            return
+        log.warning("deployment %s: the wake failed its proof (%s); restarting the engine", self.name, failure)
+        progress("the wake failed its proof; restarting the engine")
+        await self._restart_clean(progress)
+
+    def _prove_after_requests(self, wake_seconds: float) -> None:
+        """The proof of a wake that restarted the unit, once the requests it woke for are answered
+        (or after PROOF_IDLE_WAIT_S of steady traffic): a restart wake costs what a start costs,
+        and the proof does not share the engine's batch with those requests. A failed proof
+        restarts the engine through the command queue (_do_restart_after_failed_proof)."""
+        launch = self.launch_id
+
+        def current() -> bool:
+            return self.state == READY and self.launch_id == launch
+
+        async def prove() -> None:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=PROOF_IDLE_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
+            if not current():
+                return  # parked, stopped or restarted first: the next wake is proven on its own
+            try:
+                failure = await self._check_proof(True, wake_seconds, current=current)
+            except Exception:
+                log.exception("deployment %s: the proof after its wake failed to run", self.name)
+                return
+            if failure is not None and current():
+                log.warning("deployment %s: the wake failed its proof (%s); restarting the engine", self.name,
+                            failure)
+                self.submit("restart_after_failed_proof", launch=launch)
+
+        self._proof_task = asyncio.create_task(prove(), name=f"proof:{self.name}")
+
+    async def _do_restart_after_failed_proof(self, launch: str | None) -> str:
+        if self.state != READY or self.launch_id != launch:
+            return self.state  # that launch is gone already
+        self._set(WAKING, "restarting: the wake failed its proof")
+        try:
+            await self._drain(self.spec.timeouts.park, evicting=False)
+        except Busy:
+            pass  # as an explicit stop: the restart goes ahead after the grace time
+        try:
+            await self._restart_clean(_no_progress)
+        except asyncio.TimeoutError:
+            await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
+            raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
+        except CapyError as exc:
+            if self.state != FAILED:
+                await self._fail(exc.code, exc.message)
+            raise
+        self._set(READY)
+        return self.state
+
+    async def _restart_clean(self, progress: Progress) -> None:
+        """Stop the engine and start it again; its generation becomes the proof's reference."""
+        await self._stop_unit()
+        await self._launch(progress)
+        await self._wait_healthy(progress, self.spec.timeouts.start)
+        text = await self._generate_proof()
+        self._save_park_record(reference={"key": self._reference_key(), "prompt_tokens": None, "text": text})
+
+    async def _check_proof(self, woken_from_park: bool, wake_seconds: float,
+                           current: Callable[[], bool] | None = None) -> str | None:
+        """Generate the proof and record its result; the failure (a sentence) or None. ``current``:
+        whether the launch proven still serves (a proof running beside the actor's commands)."""
         reference = self.park_record.get("reference")
         valid = isinstance(reference, dict) and reference.get("key") == self._reference_key()
         if not woken_from_park and valid:
-            return
+            return None
         try:
             text = await self._generate_proof()
         except (CapyError, asyncio.TimeoutError) as exc:
+            if current is not None and not current():
+                return None  # parked or stopped while it generated: not the engine's fault
             if isinstance(exc, CapyError) and exc.code == "proof_unavailable":
                 if woken_from_park:
                     self._record_wake(wake_seconds, {"result": "skipped", "reason": exc.message})
-                return
+                return None
             if not woken_from_park:
                 raise CapyError(f"the engine could not generate the proof's reference: {exc}",
                                 code="proof_failed") from None
@@ -420,10 +501,10 @@ class DeploymentActor:
                 if woken_from_park:
                     self._record_wake(wake_seconds, {"result": "recorded", "reason": "no reference for this revision "
                                                      "and model yet: recorded this generation as it"})
-                return
+                return None
             if text == reference["text"]:
                 self._record_wake(wake_seconds, {"result": "passed"}, proof_failures=0)
-                return
+                return None
             failure = proof_mismatch(reference["text"], text)
         failures = int(self.park_record.get("proof_failures") or 0) + 1
         disabled = self.park_record.get("in_place_disabled")
@@ -432,13 +513,7 @@ class DeploymentActor:
                         "parking stops the unit until the deployment is redeployed")
         self._record_wake(wake_seconds, {"result": "failed", "reason": failure}, proof_failures=failures,
                           in_place_disabled=disabled)
-        log.warning("deployment %s: the wake failed its proof (%s); restarting the engine", self.name, failure)
-        progress("the wake failed its proof; restarting the engine")
-        await self._stop_unit()
-        await self._launch(progress)
-        await self._wait_healthy(progress, self.spec.timeouts.start)
-        text = await self._generate_proof()
-        self._save_park_record(reference={"key": self._reference_key(), "prompt_tokens": None, "text": text})
+        return failure
 
     def _record_wake(self, wake_seconds: float, proof: dict, **changes: Any) -> None:
         self._save_park_record(wake_seconds=rounded(wake_seconds), woken_at=wall_clock(),

@@ -293,7 +293,9 @@ class Controller:
             rc, _, err = await self.hosts.run(host, argv, input=content)
         except (OSError, CapyError) as exc:  # FileNotFoundError: no systemd-creds on this machine
             rc, err = 1, str(exc).encode()
-        if rc == 0:
+        if rc == 0 and host == LOCAL:
+            path.chmod(0o600)
+        elif rc == 0:
             rc, _, err = await self.hosts.run(host, ["chmod", "0600", str(path)])
         if rc != 0:
             if self._sealing.get(host) is None:
@@ -344,12 +346,15 @@ class Controller:
     async def engine_confinement(self, host: str, deployment: str, engine_path: str | None, model_path: str,
                                  devices: list[str]):
         """What the engine unit may see (controller/_confine.py), probed on its own host."""
-        from ._confine import confinement, probe_host
+        from ._confine import confinement, probe_host, probe_local
 
         async def run(argv: list[str]) -> tuple[int, bytes, bytes]:
             return await self.hosts.run(host, argv)
 
-        probe = await probe_host(run, engine_path, model_path, devices)
+        if host == LOCAL:
+            probe = probe_local(engine_path, model_path, devices)
+        else:
+            probe = await probe_host(run, engine_path, model_path, devices)
         confined = confinement(self.paths, deployment, engine_path, model_path, devices, probe)
         repos = [p for p in confined.bind_read_only_paths if p.startswith(str(self.paths.models_dir) + "/")]
         if repos:

@@ -61,6 +61,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -103,6 +104,7 @@ class FakeVllm(FakeEngine):
         self.unpaused.set()
         self.weights_discarded = False
         self.corrupt_on_wake: bool = args.fake_corrupt_on_wake
+        self.launch_label = _count_launch() if args.fake_differs_per_launch else None
         self.stats.update({"sleep_calls": 0, "wake_calls": 0, "collective_rpc": [], "reset_prefix_cache": 0,
                            "last_sleep_level": None, "last_sleep_mode": None, "queued_while_asleep": 0})
 
@@ -123,6 +125,8 @@ class FakeVllm(FakeEngine):
         pieces, finish = super().answer_tokens(prompt, max_tokens)
         if self.weights_discarded:  # uninitialised weights: the same length of nonsense
             pieces = [" garbage"] * len(pieces)
+        elif self.launch_label is not None and pieces:
+            pieces = [self.launch_label, *pieces[1:]]
         return pieces, finish
 
     async def _admit(self, request: web.Request) -> tuple[dict, web.Response | None]:
@@ -267,8 +271,23 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
     parser.add_argument("--fake-corrupt-on-wake", action="store_true",
                         help="not a vLLM flag: every full wake leaves nonsense weights, as a restore that "
                              "went wrong would (SGLang resuming without its CPU backup answers garbage)")
+    parser.add_argument("--fake-differs-per-launch", action="store_true",
+                        help="not a vLLM flag: each launch's answers begin with its own launch number "
+                             "(counted in $HOME, the unit's cache directory), as a model whose files "
+                             "changed between two starts would answer differently")
     args, _unknown = parser.parse_known_args(argv)  # real engine flags the fake does not model
     return args, serve_shape
+
+
+def _count_launch() -> str:
+    """This launch's number, one more than the last one's, kept in $HOME (--fake-differs-per-launch)."""
+    counter = Path(os.environ.get("HOME", "/tmp")) / "fake-vllm-launches"
+    try:
+        launches = int(counter.read_text()) + 1
+    except (OSError, ValueError):
+        launches = 1
+    counter.write_text(str(launches))
+    return f"launch{launches}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,13 @@
 """The proof after every wake (capyctl/controller/_parking.py), through the daemon and real systemd
 units: the fake vLLM whose weights come back wrong after a wake (--fake-corrupt-on-wake) fails it,
 the engine is restarted cleanly, and after three failures its in-place park is turned off; the real
-llama-server, parked by stopping and started again, passes it. ``capyctl status`` shows the record."""
+llama-server, parked by stopping and started again, passes it, after the request that woke it; a
+restart wake whose proof fails restarts the engine after that request. ``capyctl status`` shows the
+record."""
 
 from __future__ import annotations
 
+import time
 
 import openai
 import pytest
@@ -68,8 +71,51 @@ def test_the_real_llama_server_passes_its_proof_after_a_wake(host):
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=120)
     host.cli_json("park", "deployment", "fake")
     assert _ask(client)
-    record = host.cli_json("status", "deployment", "fake")["park_record"]
+    # A restart wake's proof follows the requests it woke for.
+    record = _proved_record(host, "fake")
     assert record["tier"] == "restart" and record["proof"]["result"] == "passed", record
     assert 0 < record["wake_seconds"] < 60
     text = host.cli("status", "deployment", "fake").stdout
     assert "last park reached restart" in text and "proof passed" in text
+
+
+def _proved_record(host, name: str, timeout: float = 60) -> dict:
+    """The park record once the last wake's proof has a result (a restart wake proves itself after
+    the requests it woke for)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        record = host.cli_json("status", "deployment", name)["park_record"]
+        if record.get("proof") and (record.get("woken_at") or 0) >= (record.get("parked_at") or 0):
+            return record
+        assert time.monotonic() < deadline, f"no proof after the wake within {timeout:.0f}s: {record}"
+        time.sleep(0.2)
+
+
+def test_a_restart_wake_answers_first_and_a_failed_proof_after_it_restarts_the_engine(host):
+    """The fake vLLM on no GPU parks by stopping its unit; with --fake-differs-per-launch every launch
+    answers differently, so the proof after a restart wake fails. The request that woke it is
+    answered by the woken engine, before the proof; the engine is then restarted cleanly (a new
+    main process), its generation becomes the reference, and it serves on."""
+    venv = make_fake_vllm_venv(host.root / "vllm-venv")
+    host.cli("engine", "add", str(venv), "--name", "fake-vllm")
+    model_dir = host.root / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    manifest = host.write_manifest("m", f"name: fake\nengine: fake-vllm\nmodel: {{path: {model_dir}}}\n"
+                                        "engine_args: [--fake-differs-per-launch]\n")
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=60)
+    first = int(_ask(client).split()[0].removeprefix("launch"))  # the count lives in the unit's cache directory
+    parked = host.cli_json("park", "deployment", "fake")
+    assert not parked["parked_in_place"] and parked["park_record"]["tier"] == "restart"
+    assert _ask(client).startswith(f"launch{first + 1} ")  # the woken engine answered, before any proof
+    woken_pid = host.unit_property("capyctl-fake.service", "MainPID")
+    record = _proved_record(host, "fake")
+    assert record["proof"]["result"] == "failed" and f"launch{first + 1} " in record["proof"]["reason"], record
+    assert record["proof_failures"] == 1 and record["in_place_disabled"] is None
+    deadline = time.monotonic() + 60
+    while (host.unit_property("capyctl-fake.service", "MainPID") in (woken_pid, "0")
+           or host.cli_json("status", "deployment", "fake")["state"] != "ready"):
+        assert time.monotonic() < deadline, "the engine was not restarted after the failed proof"
+        time.sleep(0.2)
+    assert _ask(client).startswith(f"launch{first + 2} ")  # the restarted engine serves

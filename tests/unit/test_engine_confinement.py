@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from capyctl.config import Paths
-from capyctl.controller._confine import Probe, cache_environment, confinement, probe_host
+from capyctl.controller._confine import Probe, cache_environment, confinement, probe_host, probe_local
 
 PATHS = Paths(Path("/var/lib/capyctl"), Path("/run/capyctl"))
 
@@ -66,3 +66,50 @@ def test_the_probe_script_runs_here(tmp_path: Path) -> None:
     assert probe.real_paths == [(str(venv), True)]
     assert probe.interpreters == [str(home / "python3.11")]
     assert probe.devices["/dev/null"][0] == 0o666
+
+
+def _probe_by_script(engine_path: str | None, model_path: str, devices: list[str]) -> Probe:
+    async def run(argv: list[str]) -> tuple[int, bytes, bytes]:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        return proc.returncode or 0, out, err
+
+    return asyncio.run(probe_host(run, engine_path, model_path, devices))
+
+
+def test_the_daemon_host_probe_finds_what_the_script_finds(tmp_path: Path) -> None:
+    """probe_local (the daemon's own host, no processes) against PROBE_SCRIPT (remote hosts) on
+    the same trees: a venv and a binary inside one, links to both, a model file behind a link,
+    absent paths and device nodes, present and absent."""
+    prefix = tmp_path / "prefix" / "bin"
+    prefix.mkdir(parents=True)
+    (prefix / "python3.11").write_text("")
+    os.symlink(prefix / "python3.11", prefix / "python3")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "tool").write_text("")
+    (venv / "pyvenv.cfg").write_text(f"include-system-site-packages = false\nhome = {prefix}\nhome = /elsewhere\n")
+    other = tmp_path / "venv-python"  # no python3 in its home: the script falls back to python
+    (other / "bin").mkdir(parents=True)
+    (other / "pyvenv.cfg").write_text(f"home   =   {tmp_path / 'p2'}\n")
+    (tmp_path / "p2").mkdir()
+    (tmp_path / "p2" / "python").write_text("")
+    model = tmp_path / "blobs" / "abc"
+    model.parent.mkdir()
+    model.write_text("gguf")
+    os.symlink(model, tmp_path / "model.gguf")
+    os.symlink(venv, tmp_path / "venv-link")
+    cases = [
+        (str(venv), str(tmp_path / "model.gguf"), ["/dev/null", "/dev/capyctl-absent"]),
+        (str(venv / "bin" / "tool"), str(tmp_path / "blobs"), ["/dev/zero"]),
+        (str(tmp_path / "venv-link"), str(tmp_path / "absent"), []),
+        (str(other), str(model), ["/dev/null"]),
+        (None, str(tmp_path / "model.gguf"), []),
+        (str(tmp_path / "absent-engine"), str(tmp_path / "absent-model"), ["/dev/capyctl-absent"]),
+    ]
+    for engine_path, model_path, devices in cases:
+        assert probe_local(engine_path, model_path, devices) == _probe_by_script(engine_path, model_path, devices), \
+            (engine_path, model_path, devices)
+    assert probe_local(str(venv), str(model), ["/dev/null"]).interpreters == [str(prefix / "python3.11")]
+    assert probe_local(str(venv), str(model), ["/dev/null"]).devices["/dev/null"] == (0o666, "root")
