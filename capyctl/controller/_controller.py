@@ -723,13 +723,19 @@ class Controller:
         return actor
 
     def models(self) -> list[ModelEntry]:
-        entries = []
-        for actor in self.actors.values():
-            for ident in [actor.name, *actor.spec.aliases]:
-                entries.append(ModelEntry(id=ident, deployment=actor.name, state=actor.state,
-                                          engine=actor.spec.engine, created=int(actor.revision.created_at),
-                                          capabilities=actor.capabilities))
-        return entries
+        return [self._entry(actor, ident) for actor in self.actors.values()
+                for ident in [actor.name, *actor.spec.aliases]]
+
+    def model_entry(self, model: str) -> ModelEntry | None:
+        try:
+            return self._entry(self._lookup(model), model)
+        except NotFound:
+            return None
+
+    @staticmethod
+    def _entry(actor: DeploymentActor, ident: str) -> ModelEntry:
+        return ModelEntry(id=ident, deployment=actor.name, state=actor.state, engine=actor.spec.engine,
+                          created=int(actor.revision.created_at), capabilities=actor.capabilities)
 
     @asynccontextmanager
     async def acquire(self, model: str) -> AsyncIterator[Upstream]:

@@ -364,11 +364,15 @@ async def _received_form(request: web.Request) -> AsyncIterator[_ReceivedForm]:
 def _admit_model(request: web.Request, grant: KeyGrant | None, model: str) -> ModelEntry | None:
     if grant is not None and not grant.allows(model):
         raise _model_not_found(model)
-    for entry in request.app[STATE].router.models():
-        if entry.id == model:
-            request[_DEPLOYMENT] = entry.deployment
-            return entry
-    return None
+    router = request.app[STATE].router
+    lookup = getattr(router, "model_entry", None)  # optional (Router): one entry, not all of them
+    if lookup is not None:
+        entry = lookup(model)
+    else:
+        entry = next((e for e in router.models() if e.id == model), None)
+    if entry is not None:
+        request[_DEPLOYMENT] = entry.deployment
+    return entry
 
 
 def _payload_for(upstream: Upstream, raw: bytes, body: dict[str, Any], model: str) -> bytes:

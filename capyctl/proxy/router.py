@@ -117,7 +117,12 @@ class Router(Protocol):
         """Per deployment counters for /metrics: queue_depth, in_flight, wakes, parks, evictions
         (parks to make room for another deployment) and ready (1 or 0). Must be cheap: no I/O."""
 
-    # Optional: a router without these (a test's fake) exposes no wake durations or memory.
+    # Optional: a router without these (a test's fake) exposes no wake durations or memory, and
+    # has its one model looked up in models().
+    def model_entry(self, model: str) -> ModelEntry | None:
+        """The entry of one deployment or alias (None: no such model), without building every
+        entry: the proxy looks up one per request."""
+
     def wake_durations(self) -> dict[str, DurationCounts]:
         """Per deployment, how long its wakes and cold starts took (to ready)."""
 

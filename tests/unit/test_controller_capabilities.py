@@ -82,3 +82,17 @@ async def test_a_task_the_engine_cannot_serve_is_refused_before_it_is_recorded(c
                                                "task: embed\n"))
     assert err.value.code == "task_unsupported" and err.value.status == 400
     assert controller.store.current_revision("tf") is None and "tf" not in controller.actors
+
+
+async def test_one_model_is_looked_up_without_building_every_entry(controller, tmp_path, monkeypatch):
+    """The proxy asks for the one model a request names (Controller.model_entry): the same entry
+    models() lists, for a name and an alias; None for an unknown model."""
+    gguf = write_gguf(tmp_path / "smol.gguf", {"general.architecture": "llama"}, 4096)
+    for name in ("a", "b", "c"):
+        await controller.deploy(parse_manifest(f"name: {name}\nengine: llama.cpp\nmodel: {{path: {gguf}}}\n"
+                                               f"aliases: [{name}-alias]\n"))
+    expected = {e.id: e for e in controller.models()}
+    monkeypatch.setattr(controller, "models", lambda: pytest.fail("models() built for one request"))
+    for model in ("a", "b-alias", "c"):
+        assert controller.model_entry(model) == expected[model]
+    assert controller.model_entry("nope") is None

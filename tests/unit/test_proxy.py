@@ -611,3 +611,21 @@ async def test_request_timeout_bounds_the_upstream_exchange(setup: Setup, http: 
     finally:
         await runner.cleanup()
         await slow_runner.cleanup()
+
+
+async def test_a_request_looks_up_its_one_model_where_the_router_can(setup: Setup,
+                                                                      http: aiohttp.ClientSession) -> None:
+    """A Router with model_entry is asked for the request's model only: models() (every deployment
+    and alias) is not built per request."""
+    asked: list[str] = []
+
+    def model_entry(model: str) -> ModelEntry | None:
+        asked.append(model)
+        return next((e for e in FakeRouter.models(setup.router) if e.id == model), None)
+
+    setup.router.model_entry = model_entry  # type: ignore[attr-defined]
+    setup.router.models = lambda: pytest.fail("models() was built for one request")  # type: ignore[method-assign]
+    body = {"model": "model-b", "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(setup.url + "/v1/chat/completions", json=body, headers=auth()) as response:
+        assert response.status == 200
+    assert asked == ["model-b"]
