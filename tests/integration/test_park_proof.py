@@ -32,16 +32,20 @@ def _ask(client: openai.OpenAI) -> str:
     return answer.choices[0].message.content
 
 
-def test_a_wake_that_serves_garbage_fails_its_proof_and_restarts_the_engine(host):
+def _deploy_fake_vllm(host, manifest_tail: str) -> None:
+    """The fake vLLM deployed as "fake", with ``manifest_tail`` (YAML lines) added to its manifest."""
     venv = make_fake_vllm_venv(host.root / "vllm-venv")
     host.cli("engine", "add", str(venv), "--name", "fake-vllm")
     model_dir = host.root / "model"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     manifest = host.write_manifest("m", f"name: fake\nengine: fake-vllm\nmodel: {{path: {model_dir}}}\n"
-                                        "resources: {gpus: 1}\npark_tier: host_backed\n"
-                                        "engine_args: [--fake-corrupt-on-wake]\n")
+                                        + manifest_tail)
     host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+
+
+def test_a_wake_that_serves_garbage_fails_its_proof_and_restarts_the_engine(host):
+    _deploy_fake_vllm(host, "resources: {gpus: 1}\npark_tier: host_backed\nengine_args: [--fake-corrupt-on-wake]\n")
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=60)
     assert "garbage" not in _ask(client)
     for attempt in range(1, 4):
@@ -96,14 +100,7 @@ def test_a_restart_wake_answers_first_and_a_failed_proof_after_it_restarts_the_e
     answers differently, so the proof after a restart wake fails. The request that woke it is
     answered by the woken engine, before the proof; the engine is then restarted cleanly (a new
     main process), its generation becomes the reference, and it serves on."""
-    venv = make_fake_vllm_venv(host.root / "vllm-venv")
-    host.cli("engine", "add", str(venv), "--name", "fake-vllm")
-    model_dir = host.root / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text("{}")
-    manifest = host.write_manifest("m", f"name: fake\nengine: fake-vllm\nmodel: {{path: {model_dir}}}\n"
-                                        "engine_args: [--fake-differs-per-launch]\n")
-    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    _deploy_fake_vllm(host, "engine_args: [--fake-differs-per-launch]\n")
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=60)
     first = int(_ask(client).split()[0].removeprefix("launch"))  # the count lives in the unit's cache directory
     parked = host.cli_json("park", "deployment", "fake")
