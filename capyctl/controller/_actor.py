@@ -8,11 +8,12 @@ themselves (waiting, in flight) and ask for a wake, joining the one already unde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from ..config import engine_credentials_dir, engine_socket_path, engine_socket_runtime_directory, unit_name
 from ..errors import CapyError, QueueFull, Unavailable
@@ -119,7 +120,8 @@ class DeploymentActor:
         self.model_commit: str | None = revision.model_commit
         self.parked_in_place = False
         self._laps = _Laps()  # the current wake's stages (_do_wake)
-        self._proof_task: asyncio.Task | None = None  # a restart wake's proof, after its requests
+        # A restart wake's proof, after its requests (held so the running task is not collected).
+        self._proof_task: asyncio.Task | None = None
         # The park record (tier reached, wake seconds, proof after wake, the proof's reference),
         # kept in the store across daemon restarts (_parking.py).
         self.park_record: dict[str, Any] = controller.load_park_record(self.name) or new_park_record(RESTART)
@@ -353,7 +355,7 @@ class DeploymentActor:
         # A wake from a park is proven against what the model generated before it; a start records that.
         woken_from_park = self.state == PARKED
         woken_in_place = False
-        try:
+        async with self._start_failures():
             await self.controller.make_room(self, progress)
             laps.lap("make room")
             if self.state == PARKED and self.parked_in_place and await self._unit_active():
@@ -380,13 +382,6 @@ class DeploymentActor:
             else:
                 await self._prove(progress, woken_from_park, time.monotonic() - started)
                 laps.lap("proof")
-        except asyncio.TimeoutError:
-            await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
-            raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
-        except CapyError as exc:
-            if self.state not in (FAILED,):
-                await self._fail(exc.code, exc.message)
-            raise
         self.failures = 0
         self.wakes += 1
         self._set(READY)
@@ -394,6 +389,19 @@ class DeploymentActor:
                  "woken from its park" if woken_from_park else "started", laps)
         progress(f"ready in {time.monotonic() - started:.1f}s")
         return self.state
+
+    @contextlib.asynccontextmanager
+    async def _start_failures(self) -> AsyncIterator[None]:
+        """A start or wake that times out or errs fails the deployment (stopping its unit)."""
+        try:
+            yield
+        except asyncio.TimeoutError:
+            await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
+            raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
+        except CapyError as exc:
+            if self.state != FAILED:
+                await self._fail(exc.code, exc.message)
+            raise
 
     def _reference_key(self) -> str:
         """What a proof's reference is valid for: the same revision, model files and engine."""
@@ -413,7 +421,6 @@ class DeploymentActor:
         failure = await self._check_proof(woken_from_park, wake_seconds)
         if failure is None:
             return
-        log.warning("deployment %s: the wake failed its proof (%s); restarting the engine", self.name, failure)
         progress("the wake failed its proof; restarting the engine")
         await self._restart_clean(progress)
 
@@ -440,8 +447,6 @@ class DeploymentActor:
                 log.exception("deployment %s: the proof after its wake failed to run", self.name)
                 return
             if failure is not None and current():
-                log.warning("deployment %s: the wake failed its proof (%s); restarting the engine", self.name,
-                            failure)
                 self.submit("restart_after_failed_proof", launch=launch)
 
         self._proof_task = asyncio.create_task(prove(), name=f"proof:{self.name}")
@@ -454,15 +459,8 @@ class DeploymentActor:
             await self._drain(self.spec.timeouts.park, evicting=False)
         except Busy:
             pass  # as an explicit stop: the restart goes ahead after the grace time
-        try:
+        async with self._start_failures():
             await self._restart_clean(_no_progress)
-        except asyncio.TimeoutError:
-            await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
-            raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
-        except CapyError as exc:
-            if self.state != FAILED:
-                await self._fail(exc.code, exc.message)
-            raise
         self._set(READY)
         return self.state
 
@@ -513,6 +511,7 @@ class DeploymentActor:
                         "parking stops the unit until the deployment is redeployed")
         self._record_wake(wake_seconds, {"result": "failed", "reason": failure}, proof_failures=failures,
                           in_place_disabled=disabled)
+        log.warning("deployment %s: the wake failed its proof (%s); restarting the engine", self.name, failure)
         return failure
 
     def _record_wake(self, wake_seconds: float, proof: dict, **changes: Any) -> None:
