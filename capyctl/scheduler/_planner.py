@@ -187,13 +187,15 @@ def _needs(ledger: Ledger, request: Request, option: _Option) -> dict[str, int]:
 
 def _available(ledger: Ledger, own_parked: Placement | None, domain: str, need: int) -> int:
     """What ``need`` may use on ``domain``: its free memory, plus, for a deployment waking in place,
-    what it holds itself and the pending release it will take back (as ``Ledger`` absorbs it)."""
+    what it holds itself (up to ``need``) and the pending release it will take back (as ``Ledger``
+    absorbs it). What it holds beyond ``need`` is pending release once it wakes, not free: counting
+    it would lend it to a victim's park (the plan's RAM slack) before the inventory confirms it."""
     free = ledger.free(domain)
     if own_parked is None:
         return free
     held = ledger.holders(domain).get(own_parked.deployment, 0)
     pending = ledger.pending(domain).get(own_parked.deployment, 0)
-    return free + held + min(pending, max(0, need - held))
+    return free + min(held, need) + min(pending, max(0, need - held))
 
 
 def _check_candidates(deployment: str, ledger: Ledger, candidates: Iterable[Candidate],

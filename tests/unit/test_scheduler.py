@@ -333,3 +333,25 @@ def test_many_card_host_still_places_on_its_cheapest_identical_cards() -> None:
     for victim in result.victims:
         ledger.confirm_released(victim.deployment)
     assert ledger.overcommitted() == []
+
+
+def test_a_wake_in_place_does_not_lend_its_surplus_host_ram_to_a_victims_park() -> None:
+    """A deployment parked in place holds more host RAM (its weights) than it needs awake. When it
+    wakes, the surplus is pending release, not free, until the inventory confirms it: a victim
+    parked in place to make room must not count on it. (Found by test_scheduler_properties.)"""
+    ledger = one_host(cards=(("A100", 8),), ram=6, reserve=0)
+    waking = Footprint(1, None, 1 * GiB, parked_ram=2 * GiB)  # the whole card awake, 2 GiB parked
+    ledger.place("sleeper", waking, "gpu1", (0,), "parked", in_place=True)
+    ledger.place("victim", Footprint(1, 2 * GiB, 1 * GiB, parked_ram=3 * GiB), "gpu1", (0,), "ready")
+    ledger.place("other", Footprint(0, None, 2 * GiB), "gpu1", (), "ready")
+    ledger.confirm_released("sleeper")
+    assert ledger.free("ram:gpu1") == 1 * GiB
+    candidates = [Candidate("sleeper", "parked", 1.0), ready("victim", 2.0), ready("other", 3.0, busy=True)]
+    result = plan(Request("sleeper", waking), ledger, candidates, NOW)
+    # Waking takes 1 GiB of the 2 it holds (1 GiB pending release); stopping the victim frees its
+    # 1 GiB once confirmed: 2 GiB of RAM slack, too little for the victim's 3 GiB park.
+    assert result.victims == (Victim("victim", "stop"),)
+    after = ledger.copy()
+    after.apply(result, Request("sleeper", waking))
+    after.confirm_released("victim")
+    assert after.overcommitted() == []
