@@ -441,11 +441,19 @@ class DeploymentActor:
                 pass
             if not current():
                 return  # parked, stopped or restarted first: the next wake is proven on its own
+            # In flight as a request is, so that a park or stop drains it: stopped mid-generation,
+            # llama-server did not exit on SIGTERM until systemd killed it 30 s later.
+            self.in_flight += 1
+            self._idle.clear()
             try:
                 failure = await self._check_proof(True, wake_seconds, current=current)
             except Exception:
                 log.exception("deployment %s: the proof after its wake failed to run", self.name)
                 return
+            finally:
+                self.in_flight -= 1
+                if not self.busy:
+                    self._idle.set()
             if failure is not None and current():
                 self.submit("restart_after_failed_proof", launch=launch)
 

@@ -116,3 +116,22 @@ def test_a_restart_wake_answers_first_and_a_failed_proof_after_it_restarts_the_e
         assert time.monotonic() < deadline, "the engine was not restarted after the failed proof"
         time.sleep(0.2)
     assert _ask(client).startswith(f"launch{first + 2} ")  # the restarted engine serves
+
+
+def test_a_park_right_after_a_restart_wake_waits_for_its_proof(host):
+    """The proof after a restart wake counts as a request in flight: a park that comes while it
+    generates drains it rather than stopping the engine mid-generation (llama-server, stopped so,
+    did not exit until systemd killed it). The fake vLLM takes 1 s a token: the proof 8 s, longer
+    than the park command takes to arrive."""
+    _deploy_fake_vllm(host, "engine_args: [--token-delay, '1']\n")
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=60)
+    host.cli_json("park", "deployment", "fake")
+    assert _ask(client)  # wakes it; the proof starts once this answer is done
+    deadline = time.monotonic() + 8
+    while host.cli_json("status", "deployment", "fake")["in_flight"] != 1:  # the proof, generating
+        assert time.monotonic() < deadline, "the proof after the wake never counted as in flight"
+        time.sleep(0.1)
+    parked = host.cli_json("park", "deployment", "fake")
+    assert parked["state"] == "parked"
+    record = parked["park_record"]
+    assert record["proof"]["result"] == "passed", record  # finished before the park stopped the engine
