@@ -42,6 +42,7 @@ from ._routes import (
     is_anthropic,
     routes_served,
 )
+from ._upstream import EngineConnectionError, EngineResponse, make_engine_pool
 from .connector import EngineConnector
 from .router import ModelEntry, Router, Upstream
 
@@ -103,7 +104,10 @@ class ProxyState:
 
 
 STATE = web.AppKey("capyctl_proxy_state", ProxyState)
+# Exchanges with engines: multipart forms through aiohttp's client (SESSION), everything else
+# through the proxy's own (POOL; None where httptools is not installed, and then aiohttp's too).
 SESSION = web.AppKey("capyctl_proxy_session", aiohttp.ClientSession)
+POOL: web.AppKey[Any] = web.AppKey("capyctl_proxy_engine_pool")
 # Per request: the deployment label for metrics, and a status that overrides the response's
 # (a stream that broke after its 200 headers, a client that went away).
 # web.RequestKey exists from aiohttp 3.12; plain strings work (with a warning) before it.
@@ -156,7 +160,12 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
                                      auto_decompress=False) as session:
         app[SESSION] = session
-        yield
+        app[POOL] = pool = make_engine_pool(connect_timeout=CONNECT_TIMEOUT)
+        try:
+            yield
+        finally:
+            if pool is not None:
+                pool.close()
 
 
 # ---------------------------------------------------------------- middleware
@@ -557,19 +566,55 @@ def _unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
                      f"connection ({type(exc).__name__}).", code="engine_unreachable", status=502)
 
 
+class _AiohttpAnswer:
+    """An engine's answer through aiohttp's client (a multipart form, which aiohttp writes with its
+    spooled files; or any request where httptools is missing), read as an :class:`EngineResponse`."""
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status = response.status
+        self.content_type = response.content_type
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        return self._response.headers.get(name, default)
+
+    async def readany(self) -> bytes:
+        return await self._response.content.readany()
+
+    async def read(self) -> bytes:
+        return await self._response.read()
+
+    async def json(self) -> Any:
+        return json.loads(await self._response.read())
+
+    def close(self) -> None:
+        self._response.close()
+
+
+# What breaks an exchange with an engine, from either client.
+_UPSTREAM_ERRORS = (aiohttp.ClientError, EngineConnectionError, TimeoutError)
+
+
 async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
-                         payload: bytes | aiohttp.MultipartWriter, *, method: str = "POST") -> aiohttp.ClientResponse:
+                         payload: bytes | aiohttp.MultipartWriter, *,
+                         method: str = "POST") -> EngineResponse | _AiohttpAnswer:
     state = request.app[STATE]
-    timeout = aiohttp.ClientTimeout(total=state.request_timeout, sock_connect=CONNECT_TIMEOUT)
-    session = request.app[SESSION]
-    if upstream.unix_socket is not None:
-        session.connector.route(upstream.base_url, upstream.unix_socket)  # type: ignore[union-attr]
+    headers = _upstream_headers(upstream, _content_type_of(payload))
+    pool = request.app[POOL]
     try:
-        response = await session.request(method, upstream.base_url.rstrip("/") + path,
-                                         data=payload if method == "POST" else None,
-                                         headers=_upstream_headers(upstream, _content_type_of(payload)),
-                                         timeout=timeout)
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        if isinstance(payload, bytes) and pool is not None:
+            response: EngineResponse | _AiohttpAnswer = await pool.request(
+                method, upstream.base_url, path, payload, headers, unix_socket=upstream.unix_socket,
+                timeout=state.request_timeout)
+        else:
+            session = request.app[SESSION]
+            if upstream.unix_socket is not None:
+                session.connector.route(upstream.base_url, upstream.unix_socket)  # type: ignore[union-attr]
+            timeout = aiohttp.ClientTimeout(total=state.request_timeout, sock_connect=CONNECT_TIMEOUT)
+            response = _AiohttpAnswer(await session.request(
+                method, upstream.base_url.rstrip("/") + path, data=payload if method == "POST" else None,
+                headers=headers, timeout=timeout))
+    except _UPSTREAM_ERRORS as exc:
         raise _unreachable(upstream, exc) from exc
     if response.status in (401, 403):
         # The per-launch key was refused: our fault, not the client's key.
@@ -587,13 +632,13 @@ async def _forward(request: web.Request, upstream: Upstream, path: str,
             return await _stream(request, upstream, upstream_response)
         try:
             body = await upstream_response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except _UPSTREAM_ERRORS as exc:
             raise _unreachable(upstream, exc) from exc
         if _RESPONSES_MODEL in request and upstream_response.status == 200:
             _remember_response(request, body)
         return web.Response(status=upstream_response.status, body=body,
-                            headers={"Content-Type": upstream_response.headers.get("Content-Type",
-                                                                                   "application/json")})
+                            headers={"Content-Type": upstream_response.header("Content-Type",
+                                                                              "application/json")})
     finally:
         # On every way out (cancellation included) an unfinished upstream answer is closed,
         # not returned to the pool, so the engine sees the disconnect and stops generating.
@@ -607,7 +652,7 @@ def _complete_events_end(buffer: bytes) -> int:
 
 
 async def _stream(request: web.Request, upstream: Upstream,
-                  upstream_response: aiohttp.ClientResponse) -> web.StreamResponse:
+                  upstream_response: EngineResponse | _AiohttpAnswer) -> web.StreamResponse:
     response = web.StreamResponse(status=upstream_response.status, headers={
         "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     await response.prepare(request)
@@ -617,8 +662,8 @@ async def _stream(request: web.Request, upstream: Upstream,
     finished = False
     while True:
         try:
-            chunk = await upstream_response.content.readany()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            chunk = await upstream_response.readany()
+        except _UPSTREAM_ERRORS as exc:
             error = _unreachable(upstream, exc)
             request[_OUTCOME] = error.status
             log.warning("proxy: stream from %s broke: %s", upstream.deployment, error)
@@ -699,11 +744,11 @@ async def _finish(request: web.Request, response: web.StreamResponse, last: byte
     return response
 
 
-async def _json_of(upstream: Upstream, upstream_response: aiohttp.ClientResponse) -> Any:
+async def _json_of(upstream: Upstream, upstream_response: EngineResponse | _AiohttpAnswer) -> Any:
     """The engine's answer as JSON (None when it is not JSON); the response is closed either way."""
     try:
-        return await upstream_response.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError) as exc:
+        return await upstream_response.json()
+    except _UPSTREAM_ERRORS as exc:
         raise _unreachable(upstream, exc) from exc
     except ValueError:
         return None

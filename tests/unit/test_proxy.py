@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 
 from capyctl.errors import CapyError, QueueFull, Unavailable
+from capyctl.proxy import _app as proxy_app
 from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
 
 UPSTREAM_KEY = "launch-key-123"
@@ -166,8 +167,12 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://{host}:{port}"
 
 
-@pytest.fixture
-async def setup() -> AsyncIterator[Setup]:
+# The proxy reaches engines through its own client (httptools), or through aiohttp's where
+# httptools is not installed: every test here runs with both.
+@pytest.fixture(params=["httptools", "aiohttp"])
+async def setup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Setup]:
+    if request.param == "aiohttp":
+        monkeypatch.setattr(proxy_app, "make_engine_pool", lambda **_: None)
     fake = FakeOpenAI()
     upstream_app = web.Application()
     upstream_app.router.add_route("*", "/{tail:.*}", fake.handle)  # records anything, control routes too

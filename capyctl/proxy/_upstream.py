@@ -1,0 +1,371 @@
+"""The proxy's HTTP/1.1 client to engines: one request's bytes out, the answer's bytes back.
+
+Why not aiohttp's ClientSession (which the controller and the form route still use): on the
+proxy's path it was most of CapyCTL's own CPU per request (benchmarks/proxy_hop.py, its
+py-spy profile): a ClientRequest, URL and header objects, timers, a task and a StreamReader
+per request, for an exchange that here is "write these bytes, hand back what comes". This
+client writes the request head and body in one ``transport.write`` and parses the answer
+with ``httptools`` (llhttp, the parser Node.js uses; a well-kept C library), which also
+undoes chunked transfer coding.
+
+What it keeps from the session it replaces:
+
+- a pool of idle keep-alive connections per engine base URL (a unix-socket engine's URL is a
+  per-launch label, so a restarted engine's connections are never reused), each kept at most
+  ``ENGINE_KEEPALIVE_S`` (connector.py says why that must be under the engine's own);
+- a request sent on a pooled connection that the engine closed before answering a single byte
+  is sent once more on a new connection (the engine closed an idle connection as we wrote:
+  it never read the request);
+- an answer not read to its end is never pooled: ``close()`` drops its connection, so the
+  engine sees the disconnect and stops generating;
+- reading pauses while more than ``BUFFER_HIGH`` bytes wait for the client, so a slow client
+  slows the engine's socket rather than filling the proxy's memory.
+
+Errors are :class:`EngineConnectionError` (the engine could not be reached, or the connection
+broke) and ``TimeoutError`` (connect timeout, or the exchange's deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+from typing import Any
+
+try:
+    import httptools
+except ImportError:  # a platform without its wheel: the proxy uses aiohttp's client (make_engine_pool)
+    httptools = None  # type: ignore[assignment]
+
+from .connector import ENGINE_KEEPALIVE_S
+
+# Bytes of an answer buffered for the client before the engine's socket is read no further.
+BUFFER_HIGH = 256 * 1024
+# Idle connections kept per engine: enough for a burst of concurrent requests to find one.
+IDLE_PER_ENGINE_MAX = 256
+
+
+class EngineConnectionError(ConnectionError):
+    """The engine could not be reached, or its connection broke before the answer was whole."""
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to an engine, carrying one exchange at a time."""
+
+    def __init__(self, pool_key: str) -> None:
+        self.pool_key = pool_key
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.released_at = 0.0
+        self._response: EngineResponse | None = None
+        self._parser: httptools.HttpResponseParser | None = None
+
+    # ------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        response = self._response
+        if response is None or self._parser is None:  # bytes nobody asked for: not a usable connection
+            self._abort()
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            response._fail(EngineConnectionError("the engine switched protocols"))
+            self._abort()
+        except httptools.HttpParserError as exc:
+            response._fail(EngineConnectionError(f"the engine's answer is not valid HTTP ({exc})"))
+            self._abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        response = self._response
+        if response is not None and not response._complete:
+            if response._headers_done and response._until_close:
+                response._finish()  # an answer delimited by the end of the connection
+            else:
+                response._fail(EngineConnectionError("the engine closed the connection"
+                                                     + (f" ({exc})" if exc else "")))
+
+    def pause_writing(self) -> None:  # request bodies are small; the transport buffers them
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # ------------------------------------------------------------ httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        response = self._response
+        assert response is not None
+        response._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        response = self._response
+        assert response is not None and self._parser is not None
+        response.status = self._parser.get_status_code()
+        response._keep_alive = self._parser.should_keep_alive()
+        response._headers_done = True
+        headers = {name.lower(): value for name, value in response._raw_headers}
+        response._until_close = b"content-length" not in headers and b"transfer-encoding" not in headers
+        response._headers_ready.set()
+
+    def on_body(self, body: bytes) -> None:
+        response = self._response
+        assert response is not None
+        response._body(body)
+
+    def on_message_complete(self) -> None:
+        response = self._response
+        assert response is not None
+        response._finish()
+
+    # ------------------------------------------------------------ use
+
+    def start(self, response: EngineResponse) -> None:
+        self._response = response
+        self._parser = httptools.HttpResponseParser(self)
+
+    def finish_exchange(self) -> None:
+        self._response = None
+        self._parser = None
+
+    def _abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class EngineResponse:
+    """An engine's answer: status and headers first, then its body whole or chunk by chunk."""
+
+    status: int = 0
+
+    def __init__(self, pool: EnginePool, connection: _Connection) -> None:
+        self._pool = pool
+        self._connection = connection
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._headers_ready = asyncio.Event()
+        self._headers_done = False
+        self._until_close = False
+        self._keep_alive = False
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._data_ready = asyncio.Event()
+        self._complete = False
+        self._error: BaseException | None = None
+        self._released = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------------------ what the proxy reads
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        wanted = name.lower().encode("latin-1")
+        for key, value in self._raw_headers:
+            if key.lower() == wanted:
+                return value.decode("latin-1")
+        return default
+
+    @property
+    def content_type(self) -> str:
+        """The media type alone, lower case ("" when there is none), as aiohttp's ``content_type``."""
+        value = self.header("Content-Type") or ""
+        return value.partition(";")[0].strip().lower()
+
+    async def readany(self) -> bytes:
+        """What has arrived since the last call; ``b""`` once the answer is whole."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                self._release()
+                return b""
+            self._data_ready.clear()
+            await self._data_ready.wait()
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._take_all())
+        self._buffered -= len(data)
+        if self._paused and self._buffered < BUFFER_HIGH // 2:
+            self._paused = False
+            transport = self._connection.transport
+            if transport is not None and not self._connection.closed:
+                transport.resume_reading()
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def json(self) -> Any:
+        return json.loads(await self.read())
+
+    def close(self) -> None:
+        """Done with this answer: a whole one frees its connection for reuse, an unfinished one drops it."""
+        self._release()
+
+    # ------------------------------------------------------------ fed by the connection
+
+    def _take_all(self) -> list[bytes]:
+        chunks = list(self._chunks)
+        self._chunks.clear()
+        return chunks
+
+    def _body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        self._data_ready.set()
+        if self._buffered > BUFFER_HIGH and not self._paused:
+            self._paused = True
+            transport = self._connection.transport
+            if transport is not None:
+                transport.pause_reading()
+
+    def _finish(self) -> None:
+        self._complete = True
+        self._cancel_deadline()
+        self._headers_ready.set()
+        self._data_ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._complete or self._error is not None:
+            return
+        self._error = error
+        self._cancel_deadline()
+        self._headers_ready.set()
+        self._data_ready.set()
+
+    def _set_deadline(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        def expire() -> None:
+            self._fail(TimeoutError("the engine did not answer within the request timeout"))
+            self._connection._abort()
+        self._deadline = loop.call_later(timeout, expire)
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._cancel_deadline()
+        connection = self._connection
+        connection.finish_exchange()
+        if self._complete and self._error is None and self._keep_alive and not self._paused \
+                and not connection.closed:
+            self._pool._put_back(connection)
+        else:
+            connection._abort()
+
+
+class EnginePool:
+    """Keep-alive connections to engines, by base URL (see the module's docstring)."""
+
+    def __init__(self, *, connect_timeout: float) -> None:
+        self._connect_timeout = connect_timeout
+        self._idle: dict[str, collections.deque[_Connection]] = {}
+        self._closed = False
+
+    async def request(self, method: str, base_url: str, path: str, body: bytes, headers: dict[str, str], *,
+                      unix_socket: str | None = None, timeout: float | None = None) -> EngineResponse:
+        """Send one request and wait for the answer's status and headers."""
+        authority, base_path = _split(base_url)
+        head = [f"{method} {base_path}{path} HTTP/1.1\r\nHost: {authority}\r\n"
+                f"Content-Length: {len(body)}\r\n"]
+        head += [f"{name}: {value}\r\n" for name, value in headers.items()]
+        head.append("\r\n")
+        message = "".join(head).encode("latin-1") + body
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            connection, reused = self._idle_connection(base_url)
+            if connection is None:
+                connection = await self._connect(loop, base_url, authority, unix_socket)
+            response = EngineResponse(self, connection)
+            connection.start(response)
+            if timeout is not None:
+                response._set_deadline(loop, timeout)
+            assert connection.transport is not None
+            connection.transport.write(message)
+            try:
+                await response._headers_ready.wait()
+            except BaseException:
+                response.close()  # cancelled while waiting: the connection is dropped
+                raise
+            if response._error is None or response._headers_done:
+                return response
+            response.close()
+            if not (reused and isinstance(response._error, EngineConnectionError)) or attempt:
+                raise response._error
+            # A pooled connection the engine had closed: it never read the request. Once more, afresh.
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._closed = True
+        for connections in self._idle.values():
+            for connection in connections:
+                connection._abort()
+        self._idle.clear()
+
+    def _idle_connection(self, base_url: str) -> tuple[_Connection | None, bool]:
+        connections = self._idle.get(base_url)
+        if not connections:
+            return None, False
+        oldest_usable = time.monotonic() - ENGINE_KEEPALIVE_S
+        while connections:
+            connection = connections.pop()  # the most recently used is the likeliest still open
+            if not connection.closed and connection.released_at > oldest_usable:
+                return connection, True
+            connection._abort()
+        return None, False
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, base_url: str, authority: str,
+                       unix_socket: str | None) -> _Connection:
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                if unix_socket is not None:
+                    _, connection = await loop.create_unix_connection(lambda: _Connection(base_url), unix_socket)
+                else:
+                    host, _, port = authority.rpartition(":")
+                    if not host:
+                        host, port = authority, "80"
+                    _, connection = await loop.create_connection(lambda: _Connection(base_url),
+                                                                 host.strip("[]"), int(port))
+        except TimeoutError:
+            raise
+        except OSError as exc:
+            raise EngineConnectionError(f"cannot connect to {unix_socket or authority}: {exc}") from exc
+        return connection
+
+    def _put_back(self, connection: _Connection) -> None:
+        if self._closed:
+            connection._abort()
+            return
+        connections = self._idle.setdefault(connection.pool_key, collections.deque())
+        connection.released_at = time.monotonic()
+        connections.append(connection)
+        # Drop the connections idle too long (the engine closes them soon) and any past the cap.
+        oldest_usable = connection.released_at - ENGINE_KEEPALIVE_S
+        while connections and (connections[0].released_at <= oldest_usable or connections[0].closed
+                               or len(connections) > IDLE_PER_ENGINE_MAX):
+            connections.popleft()._abort()
+
+
+def make_engine_pool(*, connect_timeout: float) -> EnginePool | None:
+    """The proxy's client to engines; None where httptools is not installed."""
+    return EnginePool(connect_timeout=connect_timeout) if httptools is not None else None
+
+
+def _split(base_url: str) -> tuple[str, str]:
+    """``http://host:port/prefix`` -> ("host:port", "/prefix")."""
+    scheme, _, rest = base_url.partition("://")
+    if scheme != "http":
+        raise EngineConnectionError(f"engines are reached over plain HTTP, not {scheme!r} ({base_url})")
+    authority, slash, path = rest.partition("/")
+    return authority, (slash + path).rstrip("/")
