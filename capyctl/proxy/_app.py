@@ -17,14 +17,13 @@ import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import IO, Any, AsyncIterator
+from typing import IO, TYPE_CHECKING, Any, AsyncIterator
 
 import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..errors import CapyError
-from . import _systemone
 from ._errors import (
     anthropic_error_response,
     anthropic_sse_error_event,
@@ -45,6 +44,9 @@ from ._routes import (
 from ._upstream import EngineConnectionError, EngineResponse, make_engine_pool
 from .connector import EngineConnector
 from .router import ModelEntry, Router, Upstream
+
+if TYPE_CHECKING:
+    from . import _systemone
 
 log = logging.getLogger("capyctl.proxy")
 
@@ -512,6 +514,9 @@ async def _stored_response_route(request: web.Request) -> web.StreamResponse:
 
 
 async def _systemone_route(request: web.Request) -> web.StreamResponse:
+    # Imported on the first such request: its pydantic models are 1.3 MiB of the daemon's idle
+    # RSS, which most daemons never need (benchmarks/daemon_scale.py measures that RSS).
+    from . import _systemone
     grant = _authorize(request)
     raw, body, model = await _read_body(request)
     _admit_model(request, grant, model)
@@ -759,6 +764,7 @@ async def _json_of(upstream: Upstream, upstream_response: EngineResponse | _Aioh
 async def _answer_from_decisions(request: web.Request, upstream: Upstream,
                                  parsed: _systemone.SystemOneRequest) -> dict[str, Any]:
     """One POST /v1/decisions for every question, its answer translated back (_systemone has the shapes)."""
+    from . import _systemone
     payload = _systemone.decisions_request(parsed, upstream.served_model or parsed.model)
     upstream_response = await _open_upstream(request, upstream, "/v1/decisions", json.dumps(payload).encode())
     answer = await _json_of(upstream, upstream_response)
@@ -778,6 +784,7 @@ async def _answer_from_decisions(request: web.Request, upstream: Upstream,
 async def _answer_from_logprobs(request: web.Request, upstream: Upstream,
                                 parsed: _systemone.SystemOneRequest) -> dict[str, Any]:
     """Ask each question as a one-token chat completion and read the option tokens' probabilities."""
+    from . import _systemone
     gate = asyncio.Semaphore(SYSTEMONE_PARALLEL)
     usage = {"input_tokens": 0, "output_tokens": 0}
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
 from pydantic import BaseModel, ValidationError
 
 from .models import DeploymentSpec, EngineSpec
+
+if TYPE_CHECKING:
+    import yaml
 
 MAX_MANIFEST_BYTES = 1 << 20
 
@@ -48,28 +51,42 @@ class ManifestError(Exception):
                                         for p in self.problems]}}
 
 
-class _LineLoader(yaml.SafeLoader):
+def _yaml():  # type: ignore[no-untyped-def]
+    # Imported when there is YAML to read: a daemon without a configuration file never reads
+    # any (it gets manifests as JSON), and PyYAML is 0.8 MiB of its idle RSS (benchmarks/daemon_scale.py).
+    import yaml
+    return yaml
+
+
+@functools.cache
+def _line_loader() -> type:
     """SafeLoader that refuses duplicate keys (a silent override is a classic manifest bug)."""
+    yaml = _yaml()
 
+    class _LineLoader(yaml.SafeLoader):
+        pass
 
-def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict[Any, yaml.Node] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first at line {seen[key].start_mark.line + 1})",
-                key_node.start_mark)
-        seen[key] = key_node
-    return loader.construct_mapping(node, deep=deep)
+    def construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key].start_mark.line + 1})",
+                    key_node.start_mark)
+            seen[key] = key_node
+        return loader.construct_mapping(node, deep=deep)
 
-
-_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+    _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return _LineLoader
 
 
 def _node_at(node: yaml.Node | None, loc: tuple) -> tuple[yaml.Node | None, bool]:
     """Walk the YAML node tree along a pydantic error location; returns the deepest node reached
     and whether the whole path was found."""
+    if node is None:  # no YAML behind these errors (validated data from elsewhere)
+        return None, not loc
+    yaml = _yaml()
     for part in loc:
         if isinstance(node, yaml.MappingNode):
             for k, v in node.value:
@@ -90,7 +107,7 @@ def _key_line(node: yaml.Node | None, loc: tuple) -> int | None:
     if not loc:
         return node.start_mark.line + 1 if node is not None else None
     parent, found = _node_at(node, loc[:-1])
-    if found and isinstance(parent, yaml.MappingNode):
+    if found and parent is not None and isinstance(parent, _yaml().MappingNode):
         for k, _ in parent.value:
             if k.value == str(loc[-1]):
                 return k.start_mark.line + 1
@@ -121,9 +138,10 @@ def _problems(exc: ValidationError, root: yaml.Node | None) -> list[Problem]:
     problems: list[Problem] = []
     model_errors = [e for e in exc.errors() if e["loc"] and e["loc"][0] == "model"]
     # `model` is a union: pydantic reports each member's failure. Keep the member the user meant.
-    if len(model_errors) > 1 and isinstance(root, yaml.MappingNode):
+    mapping = _yaml().MappingNode if root is not None else ()  # () matches nothing
+    if len(model_errors) > 1 and isinstance(root, mapping):
         node, _ = _node_at(root, ("model",))
-        keys = {k.value for k, _ in node.value} if isinstance(node, yaml.MappingNode) else set()
+        keys = {k.value for k, _ in node.value} if isinstance(node, mapping) else set()
         wanted = "HubModel" if "hf" in keys else "PathModel" if "path" in keys else None
         if wanted:
             picked = [e for e in model_errors if wanted in e["loc"]]
@@ -154,8 +172,9 @@ def load_yaml(text: str, source: str, *, max_bytes: int,
     ``max_bytes`` or a syntax error raises ``error`` naming the source and the line."""
     if len(text.encode()) > max_bytes:
         raise error(source, [Problem("", None, f"is larger than {max_bytes} bytes")])
+    yaml = _yaml()
     try:
-        return yaml.compose(text, Loader=_LineLoader), yaml.load(text, Loader=_LineLoader)
+        return yaml.compose(text, Loader=_line_loader()), yaml.load(text, Loader=_line_loader())
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else None
