@@ -55,6 +55,20 @@ HEALTH_POLL_S = 0.02
 PROOF_IDLE_WAIT_S = 30.0
 
 
+@dataclass(frozen=True)
+class _Presealed:
+    """A key sealed for the next launch on ``host``: its credentials for TransientUnit."""
+
+    host: str
+    key: str
+    credentials: dict[str, str]
+    encrypted: frozenset[str]
+
+
+async def _sealed_already(presealed: _Presealed) -> tuple[dict[str, str], frozenset[str]]:
+    return presealed.credentials, presealed.encrypted
+
+
 class _Laps:
     """Seconds each stage of a wake took (make room, credentials and confinement, unit start, health,
     proof): the journal line of every wake, so that a slow one says where its time went."""
@@ -116,6 +130,8 @@ class DeploymentActor:
         # Names of the launch's secret files beside its environment file (SGLang's --config).
         self.secret_files: list[str] = []
         self.key: str | None = None
+        # The next launch's key, sealed when the deployment parked by stopping (_preseal).
+        self._presealed: _Presealed | None = None
         self.model_path: str | None = None
         self.model_commit: str | None = revision.model_commit
         self.parked_in_place = False
@@ -544,7 +560,10 @@ class DeploymentActor:
             self.model_commit = resolved.revision
         await self._drop_forward()
         self.port = await ctl.lease_port(self.name, self.host)
-        self.key = new_engine_key()
+        presealed, self._presealed = self._presealed, None
+        if presealed is not None and presealed.host != self.host:
+            presealed = None
+        self.key = presealed.key if presealed is not None else new_engine_key()
         self.launch_id = secrets.token_hex(8)
         gpu_indices = list(ctl.gpus_for(self))
         # The planned share of each card, so two models planned on one card both fit (_memory.py).
@@ -567,10 +586,15 @@ class DeploymentActor:
         devices = ctl.gpu_device_nodes(self.host, gpu_indices)
         self._laps.lap("prepare")
         # Sealing the credentials and probing what the unit may see are independent round trips
-        # to the host (systemd-creds, a shell): both at once, off the wake's critical path.
+        # to the host (systemd-creds, a shell): both at once, off the wake's critical path. A key
+        # sealed at the park is used as it is when the launch has no other secret file.
+        secret_files = plan.secret_file_contents(self.key)
+        if presealed is not None and not secret_files:
+            sealing = _sealed_already(presealed)
+        else:
+            sealing = ctl.launch_credentials_on(self.host, self.name, self.key, secret_files)
         (credentials, encrypted), confined = await asyncio.gather(
-            ctl.launch_credentials_on(self.host, self.name, self.key, plan.secret_file_contents(self.key)),
-            ctl.engine_confinement(self.host, self.name, engine_location(engine), resolved.path, devices))
+            sealing, ctl.engine_confinement(self.host, self.name, engine_location(engine), resolved.path, devices))
         self.secret_files = sorted(plan.secret_files)
         self._laps.lap("credentials and confinement")
         environment = {**confined.environment, **plan.environment, **gpu_order_environment(gpu_indices),
@@ -776,7 +800,23 @@ class DeploymentActor:
         retained = await self.controller.retain_after_park(self) if in_place else {}
         self._save_park_record(tier=tier if in_place else RESTART, parked_at=wall_clock(), parked_in_place=in_place,
                                retained=retained)
+        if not in_place and not evicting:
+            await self._preseal()
         return self.state
+
+    async def _preseal(self) -> None:
+        """Seal the next launch's key now, while nobody waits, so the wake that restarts the unit
+        skips systemd-creds (about 15 ms of a wake, benchmarks/wake_vs_manual.py). Only once the
+        unit is stopped: the file is the one its key was read from. Not on an eviction, whose
+        park another deployment's wake is waiting for; a failure here only means the wake seals."""
+        key = new_engine_key()
+        try:
+            credentials, encrypted = await self.controller.launch_credentials_on(self.host, self.name, key, {})
+        except (OSError, CapyError) as exc:
+            log.info("deployment %s: the next launch's key was not sealed at the park (%s); the wake will",
+                     self.name, exc)
+            return
+        self._presealed = _Presealed(self.host, key, credentials, encrypted)
 
     async def _stop_unit(self) -> None:
         self._expect_exit = True
@@ -814,6 +854,7 @@ class DeploymentActor:
         if self._watch_task:
             self._watch_task.cancel()
         # The key files on the unit's host; an offline host keeps them until they are reused.
+        self._presealed = None
         await self.controller.remove_secret_key_on(self.host, self.name)
         await self.controller.remove_secret_files_on(self.host, self.secret_files)
         return "deleted"

@@ -42,8 +42,13 @@ def test_deploy_answer_park_wake(capyhost, smollm2):
     assert listed["smollm2"]["state"] == "ready" and listed["smollm2"]["revision"] == 1
 
     # Park: llama.cpp parks by stopping its unit, which releases its memory.
+    running_key = capyhost.engine_key("smollm2")
     capyhost.cli("park", "deployment", "smollm2")
     assert capyhost.unit_property(UNIT, "ActiveState") in ("inactive", "")
+    # The park sealed the next launch's key (a new one), so the wake need not run systemd-creds.
+    sealed = capyhost.state_dir / "secrets" / "smollm2.cred"
+    next_key, sealed_at = capyhost.engine_key("smollm2"), sealed.stat().st_mtime_ns
+    assert next_key != running_key
     assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "parked"
     assert [m.id for m in client.models.list().data] == ["smollm2"]  # listing does not wake it
     assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "parked"
@@ -54,6 +59,7 @@ def test_deploy_answer_park_wake(capyhost, smollm2):
     status = capyhost.cli_json("status", "deployment", "smollm2")
     assert status["state"] == "ready" and status["wakes"] == 2 and status["parks"] == 1
     assert capyhost.unit_property(UNIT, "ActiveState") == "active"
+    assert sealed.stat().st_mtime_ns == sealed_at and capyhost.engine_key("smollm2") == next_key
 
 
 def test_bad_key_and_unknown_model(capyhost, smollm2):
