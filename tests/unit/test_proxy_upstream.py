@@ -4,7 +4,9 @@ aiohttp's server for well-behaved engines, raw asyncio servers for the ways an e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from typing import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -78,91 +80,81 @@ class _Engine:
 
 @pytest.fixture
 async def engine():
+    """The engine, its URL, and a pool to reach it."""
     e = _Engine()
     url = await e.start()
-    yield e, url
+    pool = EnginePool(connect_timeout=5)
+    yield e, url, pool
+    pool.close()
     await e.stop()
 
 
 async def test_a_request_and_its_answer_and_the_connection_is_reused(engine):
-    e, url = engine
-    pool = EnginePool(connect_timeout=5)
-    try:
-        for n in range(3):
-            answer = await pool.request("POST", url, "/v1/echo", f"hello {n}".encode(),
-                                        {"Authorization": "Bearer k", "Content-Type": "application/json"})
-            assert answer.status == 200 and answer.content_type == "application/json"
-            body = await answer.json()
-            assert body["body"] == f"hello {n}" and body["authorization"] == "Bearer k"
-            assert body["host"] == url.removeprefix("http://")
-            answer.close()
-        assert e.connections == 1
-    finally:
-        pool.close()
+    e, url, pool = engine
+    for n in range(3):
+        answer = await pool.request("POST", url, "/v1/echo", f"hello {n}".encode(),
+                                    {"Authorization": "Bearer k", "Content-Type": "application/json"})
+        assert answer.status == 200 and answer.content_type == "application/json"
+        body = await answer.json()
+        assert body["body"] == f"hello {n}" and body["authorization"] == "Bearer k"
+        assert body["host"] == url.removeprefix("http://")
+        answer.close()
+    assert e.connections == 1
 
 
 async def test_a_base_url_with_a_path_prefix_keeps_it(engine):
-    e, url = engine
-    pool = EnginePool(connect_timeout=5)
-    try:
-        # The engine serves /v1/echo; a base URL ending in /v1 and the path /echo reach it.
-        answer = await pool.request("POST", url + "/v1/", "/echo", b"{}", {})
-        assert (await answer.json())["path"] == "/v1/echo"
-    finally:
-        pool.close()
+    e, url, pool = engine
+    # The engine serves /v1/echo; a base URL ending in /v1 and the path /echo reach it.
+    answer = await pool.request("POST", url + "/v1/", "/echo", b"{}", {})
+    assert (await answer.json())["path"] == "/v1/echo"
 
 
 async def test_a_chunked_stream_arrives_event_by_event_and_its_connection_is_reused(engine):
-    e, url = engine
-    pool = EnginePool(connect_timeout=5)
-    try:
-        answer = await pool.request("GET", url, "/v1/stream?n=3&gap=0.05", b"", {})
-        assert answer.content_type == "text/event-stream"
-        seen = []
-        while chunk := await answer.readany():
-            seen.append(chunk)
-        assert b"".join(seen) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
-        assert len(seen) == 3  # each event as it was written, not the whole at the end
-        answer.close()
-        again = await pool.request("POST", url, "/v1/echo", b"x", {})
-        assert (await again.json())["body"] == "x"
-        assert e.connections == 1
-    finally:
-        pool.close()
+    e, url, pool = engine
+    answer = await pool.request("GET", url, "/v1/stream?n=3&gap=0.05", b"", {})
+    assert answer.content_type == "text/event-stream"
+    seen = []
+    while chunk := await answer.readany():
+        seen.append(chunk)
+    assert b"".join(seen) == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    assert len(seen) == 3  # each event as it was written, not the whole at the end
+    answer.close()
+    again = await pool.request("POST", url, "/v1/echo", b"x", {})
+    assert (await again.json())["body"] == "x"
+    assert e.connections == 1
 
 
 async def test_an_answer_left_unfinished_drops_its_connection_so_the_engine_stops(engine):
-    e, url = engine
-    pool = EnginePool(connect_timeout=5)
-    try:
-        answer = await pool.request("GET", url, "/v1/stream?n=1000&gap=0.01", b"", {})
-        assert (await answer.readany()).startswith(b"data: 0")
-        answer.close()
-        await asyncio.wait_for(e.stream_ended_by_disconnect.wait(), 5)
-        again = await pool.request("POST", url, "/v1/echo", b"y", {})
-        assert (await again.json())["body"] == "y"
-        assert e.connections == 2  # the unfinished one was not reused
-    finally:
-        pool.close()
+    e, url, pool = engine
+    answer = await pool.request("GET", url, "/v1/stream?n=1000&gap=0.01", b"", {})
+    assert (await answer.readany()).startswith(b"data: 0")
+    answer.close()
+    await asyncio.wait_for(e.stream_ended_by_disconnect.wait(), 5)
+    again = await pool.request("POST", url, "/v1/echo", b"y", {})
+    assert (await again.json())["body"] == "y"
+    assert e.connections == 2  # the unfinished one was not reused
 
 
 async def test_a_slow_reader_pauses_the_engine_socket(engine):
-    e, url = engine
+    e, url, pool = engine
+    answer = await pool.request("GET", url, "/v1/big", b"", {})
+    await asyncio.sleep(0.5)  # nothing read: the engine must be held back, not the body buffered
+    assert answer._buffered <= BUFFER_HIGH + 256 * 1024
+    assert e.big_written < 10 * 1024 * 1024
+    body = await answer.read()
+    assert len(body) == 160 * 65536 and e.big_written == len(body)
+
+
+@contextlib.asynccontextmanager
+async def _raw_engine(handle) -> AsyncIterator[tuple[str, EnginePool]]:
+    """An engine that is ``handle`` (asyncio streams) on loopback: its URL and a pool to reach it."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
     pool = EnginePool(connect_timeout=5)
     try:
-        answer = await pool.request("GET", url, "/v1/big", b"", {})
-        await asyncio.sleep(0.5)  # nothing read: the engine must be held back, not the body buffered
-        assert answer._buffered <= BUFFER_HIGH + 256 * 1024
-        assert e.big_written < 10 * 1024 * 1024
-        body = await answer.read()
-        assert len(body) == 160 * 65536 and e.big_written == len(body)
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", pool
     finally:
         pool.close()
-
-
-async def _raw_engine(handle) -> tuple[asyncio.Server, str]:
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        server.close()
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
@@ -191,17 +183,12 @@ async def test_a_pooled_connection_the_engine_closed_is_retried_once_on_a_new_on
             return
         await reader.read()
 
-    server, url = await _raw_engine(handle)
-    pool = EnginePool(connect_timeout=5)
-    try:
+    async with _raw_engine(handle) as (url, pool):
         first = await pool.request("POST", url, "/x", b"{}", {})
         assert await first.json() == {"connection": 1}
         second = await pool.request("POST", url, "/x", b"{}", {})
         assert await second.json() == {"connection": 2}
         assert len(accepted) == 2
-    finally:
-        pool.close()
-        server.close()
 
 
 async def test_a_fresh_connection_that_breaks_before_an_answer_is_an_error_not_a_retry():
@@ -211,15 +198,10 @@ async def test_a_fresh_connection_that_breaks_before_an_answer_is_an_error_not_a
         requests.append(await _read_request(reader))
         writer.close()
 
-    server, url = await _raw_engine(handle)
-    pool = EnginePool(connect_timeout=5)
-    try:
+    async with _raw_engine(handle) as (url, pool):
         with pytest.raises(EngineConnectionError, match="closed the connection"):
             await pool.request("POST", url, "/x", b"{}", {})
         assert len(requests) == 1  # never sent twice
-    finally:
-        pool.close()
-        server.close()
 
 
 async def test_an_answer_delimited_by_the_end_of_the_connection():
@@ -229,14 +211,9 @@ async def test_an_answer_delimited_by_the_end_of_the_connection():
         await writer.drain()
         writer.close()
 
-    server, url = await _raw_engine(handle)
-    pool = EnginePool(connect_timeout=5)
-    try:
+    async with _raw_engine(handle) as (url, pool):
         answer = await pool.request("POST", url, "/x", b"", {})
         assert await answer.read() == b"all of it"
-    finally:
-        pool.close()
-        server.close()
 
 
 async def test_a_stream_cut_midway_is_an_error_for_the_reader():
@@ -247,16 +224,11 @@ async def test_a_stream_cut_midway_is_an_error_for_the_reader():
         await writer.drain()
         writer.close()  # no last chunk
 
-    server, url = await _raw_engine(handle)
-    pool = EnginePool(connect_timeout=5)
-    try:
+    async with _raw_engine(handle) as (url, pool):
         answer = await pool.request("POST", url, "/x", b"", {})
         assert await answer.readany() == b"data: 1\n\n"
         with pytest.raises(EngineConnectionError):
             await answer.readany()
-    finally:
-        pool.close()
-        server.close()
 
 
 async def test_garbage_from_the_engine_is_an_error():
@@ -265,14 +237,9 @@ async def test_garbage_from_the_engine_is_an_error():
         writer.write(b"this is not HTTP\r\n\r\n")
         await writer.drain()
 
-    server, url = await _raw_engine(handle)
-    pool = EnginePool(connect_timeout=5)
-    try:
+    async with _raw_engine(handle) as (url, pool):
         with pytest.raises(EngineConnectionError, match="not valid HTTP"):
             await pool.request("POST", url, "/x", b"", {})
-    finally:
-        pool.close()
-        server.close()
 
 
 async def test_the_request_timeout_bounds_the_whole_exchange():
@@ -286,18 +253,13 @@ async def test_the_request_timeout_bounds_the_whole_exchange():
             await writer.drain()
         await reader.read()  # until the client goes
 
-    server, url = await _raw_engine(handle)
-    pool = EnginePool(connect_timeout=5)
-    try:
+    async with _raw_engine(handle) as (url, pool):
         answer = await pool.request("POST", url, "/x", b"", {}, timeout=0.3)
         assert await answer.readany() == b"a"
         with pytest.raises(TimeoutError):
             await answer.readany()
         with pytest.raises(TimeoutError):  # and an engine that never answers at all
             await pool.request("POST", url, "/x", b"", {}, timeout=0.3)
-    finally:
-        pool.close()
-        server.close()
 
 
 async def test_cancelled_while_waiting_drops_the_connection():
@@ -308,18 +270,13 @@ async def test_cancelled_while_waiting_drops_the_connection():
         await reader.read()  # until the client goes
         closed.set()
 
-    server, url = await _raw_engine(handle)
-    pool = EnginePool(connect_timeout=5)
-    try:
+    async with _raw_engine(handle) as (url, pool):
         waiting = asyncio.ensure_future(pool.request("POST", url, "/x", b"", {}))
         await asyncio.sleep(0.1)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
         await asyncio.wait_for(closed.wait(), 5)
-    finally:
-        pool.close()
-        server.close()
 
 
 async def test_an_engine_that_is_not_there(unused_tcp_port):
@@ -331,18 +288,14 @@ async def test_an_engine_that_is_not_there(unused_tcp_port):
 
 
 async def test_an_idle_connection_older_than_the_keepalive_is_not_reused(engine, monkeypatch):
-    e, url = engine
+    e, url, pool = engine
     monkeypatch.setattr(_upstream, "ENGINE_KEEPALIVE_S", 0.2)
-    pool = EnginePool(connect_timeout=5)
-    try:
-        (await pool.request("POST", url, "/v1/echo", b"1", {})).close()
-        (await pool.request("POST", url, "/v1/echo", b"2", {})).close()
-        assert e.connections == 1
-        await asyncio.sleep(0.3)
-        (await pool.request("POST", url, "/v1/echo", b"3", {})).close()
-        assert e.connections == 2
-    finally:
-        pool.close()
+    (await pool.request("POST", url, "/v1/echo", b"1", {})).close()
+    (await pool.request("POST", url, "/v1/echo", b"2", {})).close()
+    assert e.connections == 1
+    await asyncio.sleep(0.3)
+    (await pool.request("POST", url, "/v1/echo", b"3", {})).close()
+    assert e.connections == 2
 
 
 async def test_a_unix_socket_engine(tmp_path):
