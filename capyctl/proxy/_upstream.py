@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import json
 import time
+import urllib.parse
 from typing import Any
 
 try:
@@ -109,9 +111,9 @@ class _Connection(asyncio.Protocol):
         response.status = self._parser.get_status_code()
         response._keep_alive = self._parser.should_keep_alive()
         response._headers_done = True
-        headers = {name.lower(): value for name, value in response._raw_headers}
+        response._headers = headers = {name.lower(): value for name, value in response._raw_headers}
         response._until_close = b"content-length" not in headers and b"transfer-encoding" not in headers
-        response._headers_ready.set()
+        response._wake_headers()
 
     def on_body(self, body: bytes) -> None:
         response = self._response
@@ -144,18 +146,21 @@ class EngineResponse:
 
     status: int = 0
 
-    def __init__(self, pool: EnginePool, connection: _Connection) -> None:
+    def __init__(self, pool: EnginePool, connection: _Connection, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
         self._connection = connection
+        self._loop = loop
         self._raw_headers: list[tuple[bytes, bytes]] = []
-        self._headers_ready = asyncio.Event()
+        self._headers: dict[bytes, bytes] = {}  # by lower-case name, once all have arrived
+        # Plain futures, not asyncio.Event: one per wait, set from the protocol's callbacks.
+        self._headers_ready: asyncio.Future[None] = loop.create_future()
         self._headers_done = False
         self._until_close = False
         self._keep_alive = False
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._paused = False
-        self._data_ready = asyncio.Event()
+        self._reader: asyncio.Future[None] | None = None  # readany waiting for data
         self._complete = False
         self._error: BaseException | None = None
         self._released = False
@@ -164,11 +169,8 @@ class EngineResponse:
     # ------------------------------------------------------------ what the proxy reads
 
     def header(self, name: str, default: str | None = None) -> str | None:
-        wanted = name.lower().encode("latin-1")
-        for key, value in self._raw_headers:
-            if key.lower() == wanted:
-                return value.decode("latin-1")
-        return default
+        value = self._headers.get(name.lower().encode("latin-1"))
+        return value.decode("latin-1") if value is not None else default
 
     @property
     def content_type(self) -> str:
@@ -184,8 +186,11 @@ class EngineResponse:
             if self._complete:
                 self._release()
                 return b""
-            self._data_ready.clear()
-            await self._data_ready.wait()
+            self._reader = self._loop.create_future()
+            try:
+                await self._reader
+            finally:
+                self._reader = None
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._take_all())
         self._buffered -= len(data)
         if self._paused and self._buffered < BUFFER_HIGH // 2:
@@ -219,7 +224,7 @@ class EngineResponse:
     def _body(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
-        self._data_ready.set()
+        self._wake_reader()
         if self._buffered > BUFFER_HIGH and not self._paused:
             self._paused = True
             transport = self._connection.transport
@@ -229,16 +234,25 @@ class EngineResponse:
     def _finish(self) -> None:
         self._complete = True
         self._cancel_deadline()
-        self._headers_ready.set()
-        self._data_ready.set()
+        self._wake_headers()
+        self._wake_reader()
 
     def _fail(self, error: BaseException) -> None:
         if self._complete or self._error is not None:
             return
         self._error = error
         self._cancel_deadline()
-        self._headers_ready.set()
-        self._data_ready.set()
+        self._wake_headers()
+        self._wake_reader()
+
+    def _wake_headers(self) -> None:
+        if not self._headers_ready.done():
+            self._headers_ready.set_result(None)
+
+    def _wake_reader(self) -> None:
+        reader = self._reader
+        if reader is not None and not reader.done():
+            reader.set_result(None)
 
     def _set_deadline(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
         def expire() -> None:
@@ -276,7 +290,7 @@ class EnginePool:
     async def request(self, method: str, base_url: str, path: str, body: bytes, headers: dict[str, str], *,
                       unix_socket: str | None = None, timeout: float | None = None) -> EngineResponse:
         """Send one request and wait for the answer's status and headers."""
-        authority, base_path = _split(base_url)
+        authority, base_path, host, port = _split(base_url)
         head = [f"{method} {base_path}{path} HTTP/1.1\r\nHost: {authority}\r\n"
                 f"Content-Length: {len(body)}\r\n"]
         head += [f"{name}: {value}\r\n" for name, value in headers.items()]
@@ -286,15 +300,15 @@ class EnginePool:
         for attempt in (0, 1):
             connection, reused = self._idle_connection(base_url)
             if connection is None:
-                connection = await self._connect(loop, base_url, authority, unix_socket)
-            response = EngineResponse(self, connection)
+                connection = await self._connect(loop, base_url, host, port, unix_socket)
+            response = EngineResponse(self, connection, loop)
             connection.start(response)
             if timeout is not None:
                 response._set_deadline(loop, timeout)
             assert connection.transport is not None
             connection.transport.write(message)
             try:
-                await response._headers_ready.wait()
+                await response._headers_ready
             except BaseException:
                 response.close()  # cancelled while waiting: the connection is dropped
                 raise
@@ -325,22 +339,18 @@ class EnginePool:
             connection._abort()
         return None, False
 
-    async def _connect(self, loop: asyncio.AbstractEventLoop, base_url: str, authority: str,
+    async def _connect(self, loop: asyncio.AbstractEventLoop, base_url: str, host: str, port: int,
                        unix_socket: str | None) -> _Connection:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 if unix_socket is not None:
                     _, connection = await loop.create_unix_connection(lambda: _Connection(base_url), unix_socket)
                 else:
-                    host, _, port = authority.rpartition(":")
-                    if not host:
-                        host, port = authority, "80"
-                    _, connection = await loop.create_connection(lambda: _Connection(base_url),
-                                                                 host.strip("[]"), int(port))
+                    _, connection = await loop.create_connection(lambda: _Connection(base_url), host, port)
         except TimeoutError:
             raise
         except OSError as exc:
-            raise EngineConnectionError(f"cannot connect to {unix_socket or authority}: {exc}") from exc
+            raise EngineConnectionError(f"cannot connect to {unix_socket or f'{host}:{port}'}: {exc}") from exc
         return connection
 
     def _put_back(self, connection: _Connection) -> None:
@@ -362,10 +372,14 @@ def make_engine_pool(*, connect_timeout: float) -> EnginePool | None:
     return EnginePool(connect_timeout=connect_timeout) if httptools is not None else None
 
 
-def _split(base_url: str) -> tuple[str, str]:
-    """``http://host:port/prefix`` -> ("host:port", "/prefix")."""
-    scheme, _, rest = base_url.partition("://")
-    if scheme != "http":
-        raise EngineConnectionError(f"engines are reached over plain HTTP, not {scheme!r} ({base_url})")
-    authority, slash, path = rest.partition("/")
-    return authority, (slash + path).rstrip("/")
+@functools.lru_cache(maxsize=4096)
+def _split(base_url: str) -> tuple[str, str, str, int]:
+    """``http://host:port/prefix`` -> ("host:port", "/prefix", "host", port)."""
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise EngineConnectionError(f"engines are reached over plain HTTP at a host, not {base_url!r}")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise EngineConnectionError(f"the engine's URL has no valid port: {base_url!r}") from None
+    return parts.netloc, parts.path.rstrip("/"), parts.hostname, port

@@ -316,3 +316,10 @@ async def test_a_unix_socket_engine(tmp_path):
     finally:
         pool.close()
         await runner.cleanup()
+
+
+async def test_a_base_url_that_cannot_be_reached_over_http_is_an_engine_error():
+    pool = EnginePool(connect_timeout=5)
+    for url in ("https://127.0.0.1:8000", "http://127.0.0.1:notaport", "http://"):
+        with pytest.raises(EngineConnectionError):
+            await pool.request("POST", url, "/x", b"", {})
