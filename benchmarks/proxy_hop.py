@@ -2,7 +2,7 @@
 
 The engine here answers at once: nginx returning a fixed chat completion (no model, no
 inference noise), so the time a request takes is the network stack plus the proxies.
-Three paths, alternated request by request:
+Three paths, alternated request by request in an order shuffled each turn (proxy_overhead.shuffled):
 
 - direct: client -> engine;
 - nginx: client -> nginx (its own process, one worker, keepalive upstream, proxy_buffering off) -> engine;
@@ -32,7 +32,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proxy_overhead import CLIENT_KEY, free_port, p95  # noqa: E402
+from proxy_overhead import CLIENT_KEY, free_port, p95, shuffled  # noqa: E402
 from proxy_vs_nginx import find_nginx, start_nginx, wait_healthy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -96,8 +96,8 @@ async def measure(paths: dict[str, tuple[str, str]], requests: int, proxy_pid: i
         for _ in range(requests):  # the proxy's own CPU per request, with nothing else going through it
             await one(http, url, key)
         cpu["capyctl_per_request_s"] = (cpu_seconds(proxy_pid) - before) / requests
-        for _ in range(requests):
-            for name, (url, key) in paths.items():
+        for turn in range(requests):
+            for name, (url, key) in shuffled(paths, turn):
                 latency[name].append(await one(http, url, key))
     return latency
 

@@ -1,7 +1,8 @@
 """The CapyCTL proxy against nginx as a plain reverse proxy, in front of the same llama-server.
 
 Three paths to one llama-server (SmolLM2 135M), measured in the same run and alternated
-request by request so that drift in the machine's load hits all alike:
+request by request, in an order shuffled each turn (proxy_overhead.shuffled), so that drift in the
+machine's load and what one path leaves behind hit all alike:
 
 - direct: the client talks to llama-server;
 - nginx: Debian's nginx 1.22, one worker, ``proxy_buffering off``, HTTP/1.1 keepalive to the
@@ -40,7 +41,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proxy_overhead import (CLIENT_KEY, find_model, free_port, load_arguments, one_request,  # noqa: E402
-                            one_stream, p95)
+                            one_stream, p95, shuffled)
 
 # nginx with one worker, its files in a folder of its own; {server}: the http block's servers.
 NGINX_MAIN = """\
@@ -203,11 +204,11 @@ async def main() -> None:
             for _ in range(3):  # warm every path (connection pools, prompt cache)
                 for url, key in paths.values():
                     await one_request(http, url, key)
-            for _ in range(args.requests):
-                for name, (url, key) in paths.items():
+            for turn in range(args.requests):
+                for name, (url, key) in shuffled(paths, turn):
                     latency[name].append(await one_request(http, url, key))
-            for _ in range(args.streams):
-                for name, (url, key) in paths.items():
+            for turn in range(args.streams):
+                for name, (url, key) in shuffled(paths, turn):
                     t, r, _ = await one_stream(http, url, key, args.tokens)
                     ttfc[name].append(t)
                     rate[name].append(r)
@@ -215,8 +216,8 @@ async def main() -> None:
             for streams in args.concurrency:
                 point = concurrency[str(streams)] = {name: {"chunks_per_s": [], "wall_s": [], "ttfc_median_s": []}
                                                      for name in paths}
-                for _ in range(args.rounds):  # alternate the paths round by round
-                    for name, (url, key) in paths.items():
+                for turn in range(args.rounds):  # alternate the paths round by round
+                    for name, (url, key) in shuffled(paths, turn):
                         figures = await concurrent_streams(http, url, key, streams, args.tokens)
                         for field in point[name]:
                             point[name][field].append(figures[field])

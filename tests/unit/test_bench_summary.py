@@ -157,3 +157,18 @@ def test_a_long_error_stays_one_line_in_the_table():
     text = bs.render_table(bs.evaluate({"daemon_scale": {"error": error}}))
     assert "journal line" not in text and "AssertionError: deploy failed:" in text
     assert bs.one_line("x" * 200, 20) == "x" * 17 + "..."
+
+
+def test_the_benchmarks_shuffle_the_order_of_their_paths():
+    # Each path follows each other one about as often: in a fixed order, what LiteLLM left
+    # running after its answers always landed on direct, which then read 6-8% slower than nginx.
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from proxy_overhead import shuffled
+    paths = {"direct": 1, "nginx": 2, "capyctl": 3, "litellm": 4}
+    sequence = [name for turn in range(200) for name, _ in shuffled(paths, turn)]
+    assert sorted(sequence) == sorted(list(paths) * 200)
+    after_litellm = [after for before, after in zip(sequence, sequence[1:]) if before == "litellm"]
+    shares = {name: after_litellm.count(name) / len(after_litellm) for name in paths}
+    # About a quarter each (itself only across turns), never the same one every time.
+    assert all(0.1 < share < 0.45 for name, share in shares.items() if name != "litellm"), shares
+    assert shuffled(paths, 7) == shuffled(paths, 7)  # a run can be repeated
