@@ -85,8 +85,9 @@ async def one_request(http: aiohttp.ClientSession, url: str, key: str) -> float:
     body = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "temperature": 0}
     started = time.perf_counter()
     async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-        await r.read()
-        assert r.status == 200, r.status
+        answer = await r.read()
+        if r.status != 200:
+            raise AssertionError(f"{url}: {r.status} {answer[:300]!r}")
     return time.perf_counter() - started
 
 
@@ -98,7 +99,8 @@ async def one_stream(http: aiohttp.ClientSession, url: str, key: str, tokens: in
     first = None
     chunks = 0
     async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-        assert r.status == 200, r.status
+        if r.status != 200:  # which path, and what it said
+            raise AssertionError(f"{url}: {r.status} {(await r.text())[:300]}")
         async for line in r.content:
             if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
                 chunks += 1
