@@ -92,18 +92,12 @@ class _Connection(asyncio.Protocol):
                 response._fail(EngineConnectionError("the engine closed the connection"
                                                      + (f" ({exc})" if exc else "")))
 
-    def pause_writing(self) -> None:  # request bodies are small; the transport buffers them
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # ------------------------------------------------------------ httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
         response = self._response
         assert response is not None
-        response._raw_headers.append((name, value))
+        response._headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         response = self._response
@@ -111,7 +105,7 @@ class _Connection(asyncio.Protocol):
         response.status = self._parser.get_status_code()
         response._keep_alive = self._parser.should_keep_alive()
         response._headers_done = True
-        response._headers = headers = {name.lower(): value for name, value in response._raw_headers}
+        headers = response._headers
         response._until_close = b"content-length" not in headers and b"transfer-encoding" not in headers
         response._wake_headers()
 
@@ -150,8 +144,7 @@ class EngineResponse:
         self._pool = pool
         self._connection = connection
         self._loop = loop
-        self._raw_headers: list[tuple[bytes, bytes]] = []
-        self._headers: dict[bytes, bytes] = {}  # by lower-case name, once all have arrived
+        self._headers: dict[bytes, bytes] = {}  # by lower-case name
         # Plain futures, not asyncio.Event: one per wait, set from the protocol's callbacks.
         self._headers_ready: asyncio.Future[None] = loop.create_future()
         self._headers_done = False
@@ -191,7 +184,8 @@ class EngineResponse:
                 await self._reader
             finally:
                 self._reader = None
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._take_all())
+        data = b"".join(self._chunks)
+        self._chunks.clear()
         self._buffered -= len(data)
         if self._paused and self._buffered < BUFFER_HIGH // 2:
             self._paused = False
@@ -215,11 +209,6 @@ class EngineResponse:
         self._release()
 
     # ------------------------------------------------------------ fed by the connection
-
-    def _take_all(self) -> list[bytes]:
-        chunks = list(self._chunks)
-        self._chunks.clear()
-        return chunks
 
     def _body(self, data: bytes) -> None:
         self._chunks.append(data)
@@ -254,11 +243,11 @@ class EngineResponse:
         if reader is not None and not reader.done():
             reader.set_result(None)
 
-    def _set_deadline(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    def _set_deadline(self, timeout: float) -> None:
         def expire() -> None:
             self._fail(TimeoutError("the engine did not answer within the request timeout"))
             self._connection._abort()
-        self._deadline = loop.call_later(timeout, expire)
+        self._deadline = self._loop.call_later(timeout, expire)
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:
@@ -304,7 +293,7 @@ class EnginePool:
             response = EngineResponse(self, connection, loop)
             connection.start(response)
             if timeout is not None:
-                response._set_deadline(loop, timeout)
+                response._set_deadline(timeout)
             assert connection.transport is not None
             connection.transport.write(message)
             try:
