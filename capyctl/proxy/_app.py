@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, AsyncIterator
+from typing import IO, TYPE_CHECKING, Any, AsyncIterator, Mapping, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -110,14 +110,47 @@ STATE = web.AppKey("capyctl_proxy_state", ProxyState)
 # through the proxy's own (POOL; None where httptools is not installed, and then aiohttp's too).
 SESSION = web.AppKey("capyctl_proxy_session", aiohttp.ClientSession)
 POOL: web.AppKey[Any] = web.AppKey("capyctl_proxy_engine_pool")
-# Per request: the deployment label for metrics, and a status that overrides the response's
-# (a stream that broke after its 200 headers, a client that went away).
+# Per request (aiohttp's server): the request's Exchange, read by the metrics middleware.
 # web.RequestKey exists from aiohttp 3.12; plain strings work (with a warning) before it.
 _RequestKey = getattr(web, "RequestKey", None)
-_DEPLOYMENT: Any = _RequestKey("capyctl_deployment", str) if _RequestKey else "capyctl_deployment"
-_OUTCOME: Any = _RequestKey("capyctl_outcome", int) if _RequestKey else "capyctl_outcome"
-# The model name a POST /v1/responses asked for, so the id in its answer can be remembered.
-_RESPONSES_MODEL: Any = _RequestKey("capyctl_responses_model", str) if _RequestKey else "capyctl_responses_model"
+_EXCHANGE: Any = _RequestKey("capyctl_exchange", object) if _RequestKey else "capyctl_exchange"
+
+
+class Reply(Protocol):
+    """Where a forwarded answer goes: aiohttp's response objects (:class:`_AiohttpReply`), or the
+    fast front's own connection (``_front``). Written by :func:`_forward` and :func:`_stream` only."""
+
+    def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        """The whole answer at once (Content-Length is the sink's to add)."""
+
+    async def start_stream(self, status: int, headers: dict[str, str]) -> None:
+        """The status and headers of an answer whose body follows in pieces."""
+
+    async def write(self, data: bytes) -> None:
+        """One piece of a streamed body; ConnectionError when the client has gone."""
+
+    async def end(self, last: bytes) -> None:
+        """The last piece (maybe empty) and the end of a streamed body; ConnectionError as write."""
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One client request as the forwarding code needs it, whichever server received it: the
+    proxy's state and engine clients, the request's route and headers, where its answer goes, and
+    what is learned on the way (the deployment for metrics, a status that overrides the answer's
+    when a stream broke after its 200 or the client went away, the model a /v1/responses asked for
+    so the id in its answer can be remembered)."""
+
+    state: ProxyState
+    pool: Any  # EnginePool, or None where httptools is missing
+    session: aiohttp.ClientSession | None
+    method: str
+    path: str
+    headers: Mapping[str, str]  # aiohttp's (any case), or lower-case names (the front)
+    reply: Reply
+    deployment: str = ""
+    outcome: int | None = None
+    responses_model: str | None = None
 
 
 def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * MiB,
@@ -209,22 +242,66 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
     finally:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
-        request.app[STATE].metrics.record(deployment=request.get(_DEPLOYMENT, ""), route=route,
-                                          status=request.get(_OUTCOME, status),
+        exchange: Exchange | None = request.get(_EXCHANGE)
+        outcome = exchange.outcome if exchange is not None else None
+        request.app[STATE].metrics.record(deployment=exchange.deployment if exchange is not None else "",
+                                          route=route, status=status if outcome is None else outcome,
                                           seconds=time.monotonic() - started)
+
+
+def _exchange(request: web.Request) -> Exchange:
+    """The Exchange of a request aiohttp's server received; its answer is ``reply.response``."""
+    app = request.app
+    exchange = Exchange(app[STATE], app[POOL], app[SESSION], request.method, request.path, request.headers,
+                        _AiohttpReply(request))
+    request[_EXCHANGE] = exchange
+    return exchange
+
+
+class _AiohttpReply:
+    """A Reply into aiohttp's response objects: a whole answer is returned by the handler
+    (``response``), a stream is prepared and written at once."""
+
+    __slots__ = ("_request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.response = web.Response(status=status, body=body, headers=headers)
+
+    async def start_stream(self, status: int, headers: dict[str, str]) -> None:
+        self.response = web.StreamResponse(status=status, headers=headers)
+        await self.response.prepare(self._request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self, last: bytes) -> None:
+        assert self.response is not None
+        if last:
+            await self.response.write(last)
+        await self.response.write_eof()
+
+    def answer(self) -> web.StreamResponse:
+        assert self.response is not None, "the request was not answered"
+        return self.response
 
 
 # ---------------------------------------------------------------- request checks
 
-def _authorize(request: web.Request) -> KeyGrant | None:
+def _authorize(exchange: Exchange) -> KeyGrant | None:
     """The key's grant; None when authentication is off."""
-    keys = request.app[STATE].keys
+    keys = exchange.state.keys
     if keys is None:
         return None
-    authorization = request.headers.get("Authorization")
-    if authorization is None and "x-api-key" in request.headers:
+    headers = exchange.headers  # names in lower case: the front's dict has only those
+    authorization = headers.get("authorization")
+    if authorization is None and "x-api-key" in headers:
         # Anthropic's clients send the key as x-api-key; the same keys are valid either way.
-        scheme, token = "bearer", request.headers["x-api-key"]
+        scheme, token = "bearer", headers["x-api-key"]
     else:
         scheme, _, token = (authorization or "").partition(" ")
     token = token.strip()
@@ -248,8 +325,8 @@ def _too_large() -> CapyError:
                      status=413)
 
 
-async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any], str]:
-    """Raw bytes, parsed JSON object and its model name."""
+async def _read_body(request: web.Request) -> bytes:
+    """The body's bytes, within max_body (413 beyond)."""
     max_body = request.app[STATE].max_body
     if request.content_length is not None and request.content_length > max_body:
         raise _too_large()
@@ -262,6 +339,11 @@ async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any], str]:
         # client's fault, not ours.
         raise CapyError(f"The request body could not be read: {exc}.",
                         code="invalid_body", status=400) from None
+    return raw
+
+
+def _parse_body(raw: bytes) -> tuple[dict[str, Any], str]:
+    """The parsed JSON object and its model name."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -271,7 +353,7 @@ async def _read_body(request: web.Request) -> tuple[bytes, dict[str, Any], str]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise CapyError("The request body has no 'model'.", code="missing_model", status=400)
-    return raw, body, model
+    return body, model
 
 
 @dataclass
@@ -372,17 +454,17 @@ async def _received_form(request: web.Request) -> AsyncIterator[_ReceivedForm]:
                 item.spool.close()
 
 
-def _admit_model(request: web.Request, grant: KeyGrant | None, model: str) -> ModelEntry | None:
+def _admit_model(exchange: Exchange, grant: KeyGrant | None, model: str) -> ModelEntry | None:
     if grant is not None and not grant.allows(model):
         raise _model_not_found(model)
-    router = request.app[STATE].router
+    router = exchange.state.router
     lookup = getattr(router, "model_entry", None)  # optional (Router): one entry, not all of them
     if lookup is not None:
         entry = lookup(model)
     else:
         entry = next((e for e in router.models() if e.id == model), None)
     if entry is not None:
-        request[_DEPLOYMENT] = entry.deployment
+        exchange.deployment = entry.deployment
     return entry
 
 
@@ -405,7 +487,7 @@ async def _openapi(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    grant = _authorize(request)
+    grant = _authorize(_exchange(request))
     if grant is not None and grant.models is not None:
         # Metrics name every deployment; a key limited to some models must not see the others.
         raise CapyError("This API key may not read metrics.", code="permission_denied", status=403)
@@ -429,7 +511,7 @@ def metrics_text(app: web.Application) -> str:
 
 
 async def _models(request: web.Request) -> web.Response:
-    grant = _authorize(request)
+    grant = _authorize(_exchange(request))
     data = [
         {"id": entry.id, "object": "model", "created": entry.created, "owned_by": "capyctl",
          "capyctl": {"deployment": entry.deployment, "state": entry.state, "engine": entry.engine,
@@ -449,7 +531,7 @@ def _route_not_served(target: Upstream | ModelEntry, model: str, route: str) -> 
 
 
 @contextlib.asynccontextmanager
-async def _admitted(request: web.Request, model: str, needed: str, route: str,
+async def _admitted(exchange: Exchange, model: str, needed: str, route: str,
                     entry: ModelEntry | None) -> AsyncIterator[Upstream]:
     """Admission for one request to ``model`` on a route that needs capability ``needed``.
 
@@ -459,8 +541,8 @@ async def _admitted(request: web.Request, model: str, needed: str, route: str,
     if entry is not None and entry.capabilities and needed not in entry.capabilities:
         raise _route_not_served(entry, model, route)
     try:
-        async with request.app[STATE].router.acquire(model) as upstream:
-            request[_DEPLOYMENT] = upstream.deployment
+        async with exchange.state.router.acquire(model) as upstream:
+            exchange.deployment = upstream.deployment
             if needed not in upstream.capabilities:
                 raise _route_not_served(upstream, model, route)
             yield upstream
@@ -471,14 +553,23 @@ async def _admitted(request: web.Request, model: str, needed: str, route: str,
 
 
 async def _json_route(request: web.Request) -> web.StreamResponse:
-    """A JSON POST route of the table: the body's ``model`` selects the deployment."""
-    grant = _authorize(request)
-    raw, body, model = await _read_body(request)
-    entry = _admit_model(request, grant, model)
-    async with _admitted(request, model, JSON_ROUTES[request.path], request.path, entry) as upstream:
-        if request.path == "/v1/responses":
-            request[_RESPONSES_MODEL] = model  # its id is remembered from the answer (_forward, _stream)
-        return await _forward(request, upstream, request.path, _payload_for(upstream, raw, body, model))
+    """A JSON POST route of the table, received by aiohttp's server (the fast front receives most)."""
+    exchange = _exchange(request)
+    grant = _authorize(exchange)  # before the body is read: no key, no reading
+    await answer_json(exchange, grant, await _read_body(request))
+    return exchange.reply.answer()  # type: ignore[attr-defined]
+
+
+async def answer_json(exchange: Exchange, grant: KeyGrant | None, raw: bytes) -> None:
+    """Answer a JSON POST route of the table (its key already checked): the body's ``model``
+    selects the deployment. Errors are raised as CapyError, for the server to shape."""
+    body, model = _parse_body(raw)
+    entry = _admit_model(exchange, grant, model)
+    path = exchange.path
+    async with _admitted(exchange, model, JSON_ROUTES[path], path, entry) as upstream:
+        if path == "/v1/responses":
+            exchange.responses_model = model  # its id is remembered from the answer (_forward, _stream)
+        await _forward(exchange, upstream, path, _payload_for(upstream, raw, body, model))
 
 
 async def _form_route(request: web.Request) -> web.StreamResponse:
@@ -486,16 +577,19 @@ async def _form_route(request: web.Request) -> web.StreamResponse:
     selects the deployment. The upload is received whole before the engine is woken (a slow
     client holds no engine slot), spooled to disk past UPLOAD_SPOOL_IN_MEMORY, capped at
     ``max_upload`` (413), then sent on as a new form with the same fields."""
-    grant = _authorize(request)
+    exchange = _exchange(request)
+    grant = _authorize(exchange)
     async with _received_form(request) as form:
-        entry = _admit_model(request, grant, form.model)
-        async with _admitted(request, form.model, FORM_ROUTES[request.path], request.path, entry) as upstream:
-            return await _forward(request, upstream, request.path, form.writer(upstream.served_model))
+        entry = _admit_model(exchange, grant, form.model)
+        async with _admitted(exchange, form.model, FORM_ROUTES[request.path], request.path, entry) as upstream:
+            await _forward(exchange, upstream, request.path, form.writer(upstream.served_model))
+            return exchange.reply.answer()  # type: ignore[attr-defined]
 
 
 async def _stored_response_route(request: web.Request) -> web.StreamResponse:
     """GET/DELETE /v1/responses/{id}: sent to the deployment whose engine created the response."""
-    grant = _authorize(request)
+    exchange = _exchange(request)
+    grant = _authorize(exchange)
     response_id = request.match_info["response_id"]
     responses = request.app[STATE].responses
     model = responses.owner(response_id) if _RESPONSE_ID.match(response_id) else None
@@ -504,34 +598,37 @@ async def _stored_response_route(request: web.Request) -> web.StreamResponse:
         raise CapyError(f"No response '{response_id[:200]}' was created through this proxy, or you may "
                         "not read it.", code="response_not_found", status=404)
     path = f"/v1/responses/{response_id}"
-    entry = _admit_model(request, grant, model)
-    async with _admitted(request, model, STORED_RESPONSE_CAPABILITIES[request.method],
+    entry = _admit_model(exchange, grant, model)
+    async with _admitted(exchange, model, STORED_RESPONSE_CAPABILITIES[request.method],
                          f"{request.method} {STORED_RESPONSE_ROUTE}", entry) as upstream:  # wakes a parked owner
-        answer = await _forward(request, upstream, path, b"", method=request.method)
-    if request.method == "DELETE" and answer.status < 300:
+        status = await _forward(exchange, upstream, path, b"", method=request.method)
+    if request.method == "DELETE" and status < 300:
         responses.forget(response_id)
-    return answer
+    return exchange.reply.answer()  # type: ignore[attr-defined]
 
 
 async def _systemone_route(request: web.Request) -> web.StreamResponse:
     # Imported on the first such request: its pydantic models are 1.3 MiB of the daemon's idle
     # RSS, which most daemons never need (benchmarks/daemon_scale.py measures that RSS).
     from . import _systemone
-    grant = _authorize(request)
-    raw, body, model = await _read_body(request)
-    _admit_model(request, grant, model)
+    exchange = _exchange(request)
+    grant = _authorize(exchange)
+    raw = await _read_body(request)
+    body, model = _parse_body(raw)
+    _admit_model(exchange, grant, model)
     parsed = _systemone.validate_request(body)  # before admission: a bad request wakes nothing
     try:
-        async with request.app[STATE].router.acquire(model) as upstream:
-            request[_DEPLOYMENT] = upstream.deployment
+        async with exchange.state.router.acquire(model) as upstream:
+            exchange.deployment = upstream.deployment
             if "systemone" in upstream.capabilities:
-                return await _forward(request, upstream, "/v1/systemone", _payload_for(upstream, raw, body, model))
+                await _forward(exchange, upstream, "/v1/systemone", _payload_for(upstream, raw, body, model))
+                return exchange.reply.answer()  # type: ignore[attr-defined]
             if "decisions" in upstream.capabilities:  # TensorFold: the same questions, its own shape
                 _systemone.check_decidable(parsed)
-                return web.json_response(await _answer_from_decisions(request, upstream, parsed))
+                return web.json_response(await _answer_from_decisions(exchange, upstream, parsed))
             if "logprobs" in upstream.capabilities:
                 _systemone.check_answerable(parsed)
-                return web.json_response(await _answer_from_logprobs(request, upstream, parsed))
+                return web.json_response(await _answer_from_logprobs(exchange, upstream, parsed))
             raise CapyError(f"The engine of '{model}' answers neither /v1/systemone nor token "
                             "log-probabilities.", code="systemone_unsupported", status=400)
     except CapyError as err:
@@ -600,19 +697,20 @@ class _AiohttpAnswer:
 _UPSTREAM_ERRORS = (aiohttp.ClientError, EngineConnectionError, TimeoutError)
 
 
-async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
+async def _open_upstream(exchange: Exchange, upstream: Upstream, path: str,
                          payload: bytes | aiohttp.MultipartWriter, *,
                          method: str = "POST") -> EngineResponse | _AiohttpAnswer:
-    state = request.app[STATE]
+    state = exchange.state
     headers = _upstream_headers(upstream, _content_type_of(payload))
-    pool = request.app[POOL]
+    pool = exchange.pool
     try:
         if isinstance(payload, bytes) and pool is not None:
             response: EngineResponse | _AiohttpAnswer = await pool.request(
                 method, upstream.base_url, path, payload, headers, unix_socket=upstream.unix_socket,
                 timeout=state.request_timeout)
         else:
-            session = request.app[SESSION]
+            session = exchange.session
+            assert session is not None
             if upstream.unix_socket is not None:
                 session.connector.route(upstream.base_url, upstream.unix_socket)  # type: ignore[union-attr]
             timeout = aiohttp.ClientTimeout(total=state.request_timeout, sock_connect=CONNECT_TIMEOUT)
@@ -629,21 +727,24 @@ async def _open_upstream(request: web.Request, upstream: Upstream, path: str,
     return response
 
 
-async def _forward(request: web.Request, upstream: Upstream, path: str,
-                   payload: bytes | aiohttp.MultipartWriter, *, method: str = "POST") -> web.StreamResponse:
-    upstream_response = await _open_upstream(request, upstream, path, payload, method=method)
+async def _forward(exchange: Exchange, upstream: Upstream, path: str,
+                   payload: bytes | aiohttp.MultipartWriter, *, method: str = "POST") -> int:
+    """Send the request on and the engine's answer back to ``exchange.reply``; the answer's status."""
+    upstream_response = await _open_upstream(exchange, upstream, path, payload, method=method)
     try:
         if upstream_response.content_type == "text/event-stream":
-            return await _stream(request, upstream, upstream_response)
+            await _stream(exchange, upstream, upstream_response)
+            return upstream_response.status
         try:
             body = await upstream_response.read()
         except _UPSTREAM_ERRORS as exc:
             raise _unreachable(upstream, exc) from exc
-        if _RESPONSES_MODEL in request and upstream_response.status == 200:
-            _remember_response(request, body)
-        return web.Response(status=upstream_response.status, body=body,
-                            headers={"Content-Type": upstream_response.header("Content-Type",
-                                                                              "application/json")})
+        if exchange.responses_model is not None and upstream_response.status == 200:
+            _remember_response(exchange, body)
+        exchange.reply.whole(upstream_response.status,
+                             {"Content-Type": upstream_response.header("Content-Type", "application/json")},
+                             body)
+        return upstream_response.status
     finally:
         # On every way out (cancellation included) an unfinished upstream answer is closed,
         # not returned to the pool, so the engine sees the disconnect and stops generating.
@@ -656,11 +757,12 @@ def _complete_events_end(buffer: bytes) -> int:
                buffer.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in buffer else 0)
 
 
-async def _stream(request: web.Request, upstream: Upstream,
-                  upstream_response: EngineResponse | _AiohttpAnswer) -> web.StreamResponse:
-    response = web.StreamResponse(status=upstream_response.status, headers={
-        "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await response.prepare(request)
+_STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _stream(exchange: Exchange, upstream: Upstream, upstream_response: EngineResponse | _AiohttpAnswer) -> None:
+    reply = exchange.reply
+    await reply.start_stream(upstream_response.status, dict(_STREAM_HEADERS))
     # Whole events only, written as soon as they arrive: if the engine dies halfway
     # through an event, the client gets our error event, not a torn line glued to it.
     pending = b""
@@ -670,31 +772,31 @@ async def _stream(request: web.Request, upstream: Upstream,
             chunk = await upstream_response.readany()
         except _UPSTREAM_ERRORS as exc:
             error = _unreachable(upstream, exc)
-            request[_OUTCOME] = error.status
+            exchange.outcome = error.status
             log.warning("proxy: stream from %s broke: %s", upstream.deployment, error)
-            return await _finish(request, response, _sse_error(request, error))
+            return await _finish(exchange, _sse_error(exchange, error))
         if not chunk:
             break
         pending += chunk
         cut = _complete_events_end(pending)
         if cut:
             try:
-                await response.write(pending[:cut])
+                await reply.write(pending[:cut])
             except ConnectionError:
-                request[_OUTCOME] = CLIENT_CLOSED
-                return response
+                exchange.outcome = CLIENT_CLOSED
+                return
             finished = finished or _ends_stream(pending[:cut])
-            if _RESPONSES_MODEL in request:
-                _remember_streamed_response(request, pending[:cut])
+            if exchange.responses_model is not None:
+                _remember_streamed_response(exchange, pending[:cut])
             pending = pending[cut:]
     verdict = _verdict(upstream)
     if verdict is not None and not (finished or _ends_stream(pending)):
         # An engine stopped by CapyCTL may end its stream cleanly but unfinished: without this
         # event the client would take a cut-off answer for a whole one.
-        request[_OUTCOME] = verdict.status
+        exchange.outcome = verdict.status
         log.warning("proxy: stream from %s was cut: %s", upstream.deployment, verdict)
-        return await _finish(request, response, _sse_error(request, verdict))  # a torn event is dropped
-    return await _finish(request, response, pending)
+        return await _finish(exchange, _sse_error(exchange, verdict))  # a torn event is dropped
+    return await _finish(exchange, pending)
 
 
 # What the last event of a whole stream holds: OpenAI chat/completions end with "data: [DONE]";
@@ -709,17 +811,18 @@ def _ends_stream(events: bytes) -> bool:
     return any(marker in events for marker in _STREAM_ENDS)
 
 
-def _remember_response(request: web.Request, body: bytes) -> None:
+def _remember_response(exchange: Exchange, body: bytes) -> None:
     """Note which model created the response in a /v1/responses answer (its top-level "id")."""
     try:
         answer = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return
     if isinstance(answer, dict):
-        request.app[STATE].responses.remember(answer.get("id"), request.pop(_RESPONSES_MODEL))
+        exchange.state.responses.remember(answer.get("id"), exchange.responses_model)
+        exchange.responses_model = None
 
 
-def _remember_streamed_response(request: web.Request, events: bytes) -> None:
+def _remember_streamed_response(exchange: Exchange, events: bytes) -> None:
     """The same from a stream: its first event, response.created, carries {"response": {"id"}}
     (llama-server tools/server/server-task.cpp; vLLM entrypoints/openai/responses/serving.py)."""
     for line in events.splitlines():
@@ -731,22 +834,20 @@ def _remember_streamed_response(request: web.Request, events: bytes) -> None:
             continue
         created = event.get("response") if isinstance(event, dict) else None
         if isinstance(created, dict):
-            request.app[STATE].responses.remember(created.get("id"), request.pop(_RESPONSES_MODEL))
+            exchange.state.responses.remember(created.get("id"), exchange.responses_model)
+            exchange.responses_model = None
             return
 
 
-def _sse_error(request: web.Request, error: CapyError) -> bytes:
-    return anthropic_sse_error_event(error) if is_anthropic(request.path) else sse_error_event(error)
+def _sse_error(exchange: Exchange, error: CapyError) -> bytes:
+    return anthropic_sse_error_event(error) if is_anthropic(exchange.path) else sse_error_event(error)
 
 
-async def _finish(request: web.Request, response: web.StreamResponse, last: bytes) -> web.StreamResponse:
+async def _finish(exchange: Exchange, last: bytes) -> None:
     try:
-        if last:
-            await response.write(last)
-        await response.write_eof()
+        await exchange.reply.end(last)
     except ConnectionError:
-        request[_OUTCOME] = CLIENT_CLOSED
-    return response
+        exchange.outcome = CLIENT_CLOSED
 
 
 async def _json_of(upstream: Upstream, upstream_response: EngineResponse | _AiohttpAnswer) -> Any:
@@ -761,12 +862,12 @@ async def _json_of(upstream: Upstream, upstream_response: EngineResponse | _Aioh
         upstream_response.close()
 
 
-async def _answer_from_decisions(request: web.Request, upstream: Upstream,
+async def _answer_from_decisions(exchange: Exchange, upstream: Upstream,
                                  parsed: _systemone.SystemOneRequest) -> dict[str, Any]:
     """One POST /v1/decisions for every question, its answer translated back (_systemone has the shapes)."""
     from . import _systemone
     payload = _systemone.decisions_request(parsed, upstream.served_model or parsed.model)
-    upstream_response = await _open_upstream(request, upstream, "/v1/decisions", json.dumps(payload).encode())
+    upstream_response = await _open_upstream(exchange, upstream, "/v1/decisions", json.dumps(payload).encode())
     answer = await _json_of(upstream, upstream_response)
     if upstream_response.status == 200:
         return _systemone.from_decisions_response(parsed, answer)
@@ -781,7 +882,7 @@ async def _answer_from_decisions(request: web.Request, upstream: Upstream,
                     f"{json.dumps(error)[:300]}", code="engine_error", status=502)
 
 
-async def _answer_from_logprobs(request: web.Request, upstream: Upstream,
+async def _answer_from_logprobs(exchange: Exchange, upstream: Upstream,
                                 parsed: _systemone.SystemOneRequest) -> dict[str, Any]:
     """Ask each question as a one-token chat completion and read the option tokens' probabilities."""
     from . import _systemone
@@ -796,7 +897,7 @@ async def _answer_from_logprobs(request: web.Request, upstream: Upstream,
             "logprobs": True, "top_logprobs": _systemone.TOP_LOGPROBS,
         }
         async with gate:
-            upstream_response = await _open_upstream(request, upstream, "/v1/chat/completions",
+            upstream_response = await _open_upstream(exchange, upstream, "/v1/chat/completions",
                                                      json.dumps(payload).encode())
             completion = await _json_of(upstream, upstream_response)
         if upstream_response.status != 200 or not isinstance(completion, dict):
