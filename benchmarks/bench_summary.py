@@ -194,9 +194,16 @@ def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
         return []
     capy, nginx = hop["hop_s"]["capyctl"], hop["hop_s"]["nginx"]
     cpu = hop.get("capyctl_per_request_s")
-    return [Row("one hop over direct, instant engine (median)",
+    rows = [Row("one hop over direct, instant engine (median)",
                 f"{capy * 1e6:.0f} us vs nginx's {nginx * 1e6:.0f} us ({_x(_ratio(capy, nginx))})"
                 + (f"; proxy CPU {cpu * 1e6:.0f} us/request" if cpu else ""), "(profile)", "info")]
+    plain = hop["hop_s"].get("capyctl-aiohttp")
+    if plain is not None:  # the same proxy with its front off, in the same run
+        plain_cpu = hop.get("cpu_per_request_s", {}).get("capyctl-aiohttp")
+        rows.append(Row("one hop, the proxy's front off (aiohttp's server alone)",
+                        f"{plain * 1e6:.0f} us" + (f"; proxy CPU {plain_cpu * 1e6:.0f} us/request" if plain_cpu else ""),
+                        "(baseline)", "info"))
+    return rows
 
 
 def evaluate(results: dict[str, Any]) -> list[Row]:
@@ -260,7 +267,8 @@ def write_latency_chart(panels: dict[str, dict[str, list[float]]], path: Path) -
         from matplotlib import ticker
     except ImportError:
         return None
-    colors = {"direct": "tab:gray", "nginx": "tab:green", "capyctl": "tab:blue", "litellm": "tab:red"}
+    colors = {"direct": "tab:gray", "nginx": "tab:green", "capyctl": "tab:blue", "litellm": "tab:red",
+              "capyctl-aiohttp": "tab:purple"}
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (title, series) in zip(axes[0], panels.items()):
         for name, values in series.items():

@@ -7,7 +7,9 @@ Three paths, alternated request by request in an order shuffled each turn (proxy
 - direct: client -> engine;
 - nginx: client -> nginx (its own process, one worker, keepalive upstream, proxy_buffering off) -> engine;
 - capyctl: client -> the CapyCTL proxy in its own process (benchmarks/_one_engine_proxy.py,
-  key checked against a real SQLite store as the daemon does) -> engine.
+  key checked against a real SQLite store as the daemon does) -> engine;
+- capyctl-aiohttp: the same proxy with its front turned off (CAPYCTL_PROXY_FRONT=aiohttp), every
+  request through aiohttp's server: what the front saves, measured in the same run.
 
 Prints median and p95 latency of each, the hop each proxy adds over direct, and the ratio of
 CapyCTL's hop to nginx's. ``--profile DIR`` records the proxy with py-spy while it runs and
@@ -82,20 +84,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def measure(paths: dict[str, tuple[str, str]], requests: int, proxy_pid: int,
+async def measure(paths: dict[str, tuple[str, str]], requests: int, proxy_pids: dict[str, int],
                   cpu: dict[str, float]) -> dict[str, list[float]]:
     latency: dict[str, list[float]] = {name: [] for name in paths}
     async with aiohttp.ClientSession() as http:
         for name, (url, _) in paths.items():
-            await wait_healthy(http, url, name, path="/health" if name == "capyctl" else "/")
+            await wait_healthy(http, url, name, path="/health" if name.startswith("capyctl") else "/")
         for _ in range(50):  # warm pools and caches
             for url, key in paths.values():
                 await one(http, url, key)
-        url, key = paths["capyctl"]
-        before = cpu_seconds(proxy_pid)
-        for _ in range(requests):  # the proxy's own CPU per request, with nothing else going through it
-            await one(http, url, key)
-        cpu["capyctl_per_request_s"] = (cpu_seconds(proxy_pid) - before) / requests
+        for name, pid in proxy_pids.items():
+            url, key = paths[name]
+            before = cpu_seconds(pid)
+            for _ in range(requests):  # the proxy's own CPU per request, with nothing else going through it
+                await one(http, url, key)
+            cpu[name] = (cpu_seconds(pid) - before) / requests
         for turn in range(requests):
             for name, (url, key) in shuffled(paths, turn):
                 latency[name].append(await one(http, url, key))
@@ -132,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     nginx = find_nginx(args.nginx)
     prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-hop-"))
-    engine_port, nginx_port, proxy_port = free_port(), free_port(), free_port()
+    engine_port, nginx_port, proxy_port, plain_port = free_port(), free_port(), free_port(), free_port()
     servers = {"engine": ENGINE_SERVER.format(engine_port=engine_port, answer=ANSWER),
                "proxy": PROXY_SERVER.format(engine_port=engine_port, port=nginx_port)}
     _, store_key = Store(prefix / "state.db").create_key("bench")  # the daemon's keys, in SQLite
@@ -140,17 +143,21 @@ def main() -> None:
     try:
         for name, server in servers.items():
             processes.append(start_nginx(nginx, prefix / name, server, stderr=subprocess.DEVNULL))
-        proxy = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
-             "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", "launch",
-             "--port", str(proxy_port), "--store", str(prefix / "state.db")],
-            stdout=subprocess.DEVNULL)
-        processes.append(proxy)
+        proxies = {}
+        for name, port, front in (("capyctl", proxy_port, "auto"), ("capyctl-aiohttp", plain_port, "aiohttp")):
+            proxies[name] = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
+                 "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", "launch",
+                 "--port", str(port), "--store", str(prefix / "state.db")],
+                stdout=subprocess.DEVNULL, env={**os.environ, "CAPYCTL_PROXY_FRONT": front})
+            processes.append(proxies[name])
+        proxy = proxies["capyctl"]
         paths = {"direct": (f"http://127.0.0.1:{engine_port}", CLIENT_KEY),
                  "nginx": (f"http://127.0.0.1:{nginx_port}", CLIENT_KEY),
-                 "capyctl": (f"http://127.0.0.1:{proxy_port}", store_key)}
+                 "capyctl": (f"http://127.0.0.1:{proxy_port}", store_key),
+                 "capyctl-aiohttp": (f"http://127.0.0.1:{plain_port}", store_key)}
         cpu: dict[str, float] = {}
-        latency = asyncio.run(measure(paths, args.requests, proxy.pid, cpu))
+        latency = asyncio.run(measure(paths, args.requests, {n: p.pid for n, p in proxies.items()}, cpu))
         if args.profile:
             # A second pass, recorded: py-spy pauses the process it samples, so the figures above
             # are taken without it (with it, the hop measured some four times longer).
@@ -162,7 +169,7 @@ def main() -> None:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                      for fmt, name in (("flamegraph", "proxy-hop.svg"), ("raw", "proxy-hop.collapsed"))]
             time.sleep(1.0)  # both attached
-            asyncio.run(measure({"capyctl": paths["capyctl"]}, args.requests // 2, proxy.pid, {}))
+            asyncio.run(measure({"capyctl": paths["capyctl"]}, args.requests // 2, {"capyctl": proxy.pid}, {}))
             for spy in spies:
                 spy.send_signal(2)  # py-spy writes its output on SIGINT
             for spy in spies:
@@ -176,20 +183,22 @@ def main() -> None:
 
     med = {name: statistics.median(v) for name, v in latency.items()}
     tail = {name: p95(v) for name, v in latency.items()}
-    hop = {name: med[name] - med["direct"] for name in ("nginx", "capyctl")}
+    hop = {name: med[name] - med["direct"] for name in paths if name != "direct"}
     print(f"machine: {os.cpu_count()} cpus; {args.requests} requests on each path, alternated; engine: nginx "
           "answering at once")
-    print(f"{'':24}{'direct':>10}{'nginx':>10}{'capyctl':>10}")
-    print(f"{'median (us)':24}" + "".join(f"{med[n] * 1e6:>10.0f}" for n in paths))
-    print(f"{'p95 (us)':24}" + "".join(f"{tail[n] * 1e6:>10.0f}" for n in paths))
-    print(f"{'hop over direct (us)':24}{'':>10}{hop['nginx'] * 1e6:>10.0f}{hop['capyctl'] * 1e6:>10.0f}")
+    print(f"{'':24}" + "".join(f"{n:>17}" for n in paths))
+    print(f"{'median (us)':24}" + "".join(f"{med[n] * 1e6:>17.0f}" for n in paths))
+    print(f"{'p95 (us)':24}" + "".join(f"{tail[n] * 1e6:>17.0f}" for n in paths))
+    print(f"{'hop over direct (us)':24}{'':>17}" + "".join(f"{hop[n] * 1e6:>17.0f}" for n in paths if n in hop))
     # nginx's hop is tens of microseconds, within the noise of a busy machine: no ratio when it is not above 0.
     print("capyctl hop / nginx hop: " + (f"{hop['capyctl'] / hop['nginx']:.2f}x" if hop["nginx"] > 0 else
                                          "n/a (nginx's hop was within the noise)"))
-    print(f"CapyCTL proxy CPU per request: {cpu['capyctl_per_request_s'] * 1e6:.0f} us")
+    print(f"CapyCTL proxy CPU per request: {cpu['capyctl'] * 1e6:.0f} us "
+          f"(with its front off, aiohttp's server alone: {cpu['capyctl-aiohttp'] * 1e6:.0f} us)")
     if args.json:
         args.json.write_text(json.dumps({"requests": args.requests, "median_s": med, "p95_s": tail,
-                                         "hop_s": hop, **cpu, "samples": latency}))
+                                         "hop_s": hop, "capyctl_per_request_s": cpu["capyctl"],
+                                         "cpu_per_request_s": cpu, "samples": latency}))
     if args.profile and (args.profile / "proxy-hop.collapsed").exists():
         profile_report(args.profile / "proxy-hop.svg", args.profile / "proxy-hop.collapsed",
                        args.profile / "proxy-hop-top.txt")

@@ -25,6 +25,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from ..errors import CapyError
 from ._errors import (
+    JSON_CONTENT_TYPE,
     anthropic_error_response,
     anthropic_sse_error_event,
     error_response,
@@ -170,10 +171,8 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
     app[STATE] = ProxyState(router=router, keys=keys, max_body=max_body, request_timeout=request_timeout,
                             max_upload=max_upload)
     app.cleanup_ctx.append(_client_session)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/openapi.json", _openapi)  # describes routes only: no key, like /health
-    app.router.add_get("/v1/models", _models)
+    for path in GET_ROUTES:
+        app.router.add_get(path, _get_route)
     for path in JSON_ROUTES:  # forwarded only to engines whose adapter declares the route's capability
         app.router.add_post(path, _json_route)
     for path in FORM_ROUTES:
@@ -292,7 +291,7 @@ class _AiohttpReply:
 
 # ---------------------------------------------------------------- request checks
 
-def _authorize(exchange: Exchange) -> KeyGrant | None:
+def authorize(exchange: Exchange) -> KeyGrant | None:
     """The key's grant; None when authentication is off."""
     keys = exchange.state.keys
     if keys is None:
@@ -477,21 +476,22 @@ def _payload_for(upstream: Upstream, raw: bytes, body: dict[str, Any], model: st
 
 # ---------------------------------------------------------------- routes
 
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+# GET routes, answered alike by aiohttp's server (_get_route) and the fast front.
+async def _answer_health(exchange: Exchange) -> None:
+    exchange.reply.whole(200, {"Content-Type": JSON_CONTENT_TYPE}, b'{"status": "ok"}')
 
 
-async def _openapi(request: web.Request) -> web.Response:
+async def _answer_openapi(exchange: Exchange) -> None:
     from ._openapi import proxy_openapi
-    return web.json_response(proxy_openapi())
+    exchange.reply.whole(200, {"Content-Type": JSON_CONTENT_TYPE}, json.dumps(proxy_openapi()).encode())
 
 
-async def _metrics(request: web.Request) -> web.Response:
-    grant = _authorize(_exchange(request))
+async def _answer_metrics(exchange: Exchange) -> None:
+    grant = authorize(exchange)
     if grant is not None and grant.models is not None:
         # Metrics name every deployment; a key limited to some models must not see the others.
         raise CapyError("This API key may not read metrics.", code="permission_denied", status=403)
-    state = request.app[STATE]
+    state = exchange.state
     router = state.router
     # Optional parts of the Router (a test's fake may have neither).
     wake_durations = getattr(router, "wake_durations", None)
@@ -500,8 +500,7 @@ async def _metrics(request: web.Request) -> web.Response:
     memory_gauges = getattr(router, "memory_gauges", None)
     body = state.metrics.render(router.stats(), wake_durations() if wake_durations else None,
                                 await memory_gauges() if memory_gauges else None)
-    return web.Response(body=body, content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    exchange.reply.whole(200, {"Content-Type": "text/plain; charset=utf-8", "X-Prometheus-Format": "0.0.4"}, body)
 
 
 def metrics_text(app: web.Application) -> str:
@@ -510,17 +509,29 @@ def metrics_text(app: web.Application) -> str:
     return state.metrics.render(state.router.stats())
 
 
-async def _models(request: web.Request) -> web.Response:
-    grant = _authorize(_exchange(request))
+async def _answer_models(exchange: Exchange) -> None:
+    grant = authorize(exchange)
     data = [
         {"id": entry.id, "object": "model", "created": entry.created, "owned_by": "capyctl",
          "capyctl": {"deployment": entry.deployment, "state": entry.state, "engine": entry.engine,
                      # the routes its engine serves, once known from a launch (else absent)
                      **({"routes": routes_served(entry.capabilities)} if entry.capabilities else {})}}
-        for entry in request.app[STATE].router.models()
+        for entry in exchange.state.router.models()
         if grant is None or grant.allows(entry.id)
     ]
-    return web.json_response({"object": "list", "data": data})
+    exchange.reply.whole(200, {"Content-Type": JSON_CONTENT_TYPE},
+                         json.dumps({"object": "list", "data": data}).encode())
+
+
+# /openapi.json describes routes only: no key, like /health.
+GET_ROUTES = {"/health": _answer_health, "/metrics": _answer_metrics, "/openapi.json": _answer_openapi,
+              "/v1/models": _answer_models}
+
+
+async def _get_route(request: web.Request) -> web.StreamResponse:
+    exchange = _exchange(request)
+    await GET_ROUTES[request.path](exchange)
+    return exchange.reply.answer()  # type: ignore[attr-defined]
 
 
 def _route_not_served(target: Upstream | ModelEntry, model: str, route: str) -> CapyError:
@@ -555,7 +566,7 @@ async def _admitted(exchange: Exchange, model: str, needed: str, route: str,
 async def _json_route(request: web.Request) -> web.StreamResponse:
     """A JSON POST route of the table, received by aiohttp's server (the fast front receives most)."""
     exchange = _exchange(request)
-    grant = _authorize(exchange)  # before the body is read: no key, no reading
+    grant = authorize(exchange)  # before the body is read: no key, no reading
     await answer_json(exchange, grant, await _read_body(request))
     return exchange.reply.answer()  # type: ignore[attr-defined]
 
@@ -578,7 +589,7 @@ async def _form_route(request: web.Request) -> web.StreamResponse:
     client holds no engine slot), spooled to disk past UPLOAD_SPOOL_IN_MEMORY, capped at
     ``max_upload`` (413), then sent on as a new form with the same fields."""
     exchange = _exchange(request)
-    grant = _authorize(exchange)
+    grant = authorize(exchange)
     async with _received_form(request) as form:
         entry = _admit_model(exchange, grant, form.model)
         async with _admitted(exchange, form.model, FORM_ROUTES[request.path], request.path, entry) as upstream:
@@ -589,7 +600,7 @@ async def _form_route(request: web.Request) -> web.StreamResponse:
 async def _stored_response_route(request: web.Request) -> web.StreamResponse:
     """GET/DELETE /v1/responses/{id}: sent to the deployment whose engine created the response."""
     exchange = _exchange(request)
-    grant = _authorize(exchange)
+    grant = authorize(exchange)
     response_id = request.match_info["response_id"]
     responses = request.app[STATE].responses
     model = responses.owner(response_id) if _RESPONSE_ID.match(response_id) else None
@@ -612,7 +623,7 @@ async def _systemone_route(request: web.Request) -> web.StreamResponse:
     # RSS, which most daemons never need (benchmarks/daemon_scale.py measures that RSS).
     from . import _systemone
     exchange = _exchange(request)
-    grant = _authorize(exchange)
+    grant = authorize(exchange)
     raw = await _read_body(request)
     body, model = _parse_body(raw)
     _admit_model(exchange, grant, model)

@@ -28,13 +28,23 @@ def error_body(error: CapyError, *, param: str | None = None) -> dict:
                       "code": error.code, "param": param}}
 
 
-def error_response(error: CapyError, *, param: str | None = None) -> web.Response:
-    headers = {}
+# What aiohttp's json/text responses say; the fast front writes the same.
+JSON_CONTENT_TYPE = "application/json; charset=utf-8"
+
+
+def error_parts(error: CapyError, *, anthropic: bool = False, param: str | None = None) -> tuple[dict[str, str], bytes]:
+    """Headers and body of the error answer, in OpenAI's shape or (``anthropic``) Anthropic's."""
+    headers = {"Content-Type": JSON_CONTENT_TYPE}
     if error.retry_after is not None:
         # Retry-After takes whole seconds; round up so a client never comes back too early.
         headers["Retry-After"] = str(max(0, math.ceil(error.retry_after)))
-    return web.Response(status=error.status, headers=headers, content_type="application/json",
-                        text=json.dumps(error_body(error, param=param)))
+    body = anthropic_error_body(error) if anthropic else error_body(error, param=param)
+    return headers, json.dumps(body).encode()
+
+
+def error_response(error: CapyError, *, param: str | None = None) -> web.Response:
+    headers, body = error_parts(error, param=param)
+    return web.Response(status=error.status, headers=headers, body=body)
 
 
 def sse_error_event(error: CapyError) -> bytes:
@@ -71,11 +81,8 @@ def anthropic_error_body(error: CapyError) -> dict:
 
 
 def anthropic_error_response(error: CapyError) -> web.Response:
-    headers = {}
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(max(0, math.ceil(error.retry_after)))
-    return web.Response(status=error.status, headers=headers, content_type="application/json",
-                        text=json.dumps(anthropic_error_body(error)))
+    headers, body = error_parts(error, anthropic=True)
+    return web.Response(status=error.status, headers=headers, body=body)
 
 
 def anthropic_sse_error_event(error: CapyError) -> bytes:

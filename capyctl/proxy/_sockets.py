@@ -11,6 +11,7 @@ from aiohttp import web
 from aiohttp.log import access_logger
 
 from ..errors import CapyError
+from ._front import FrontSite, front_enabled
 
 SD_LISTEN_FDS_START = 3
 
@@ -80,10 +81,13 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
                            access_log=access_log)
     await runner.setup()
     try:
-        if sock is not None:
-            site: web.BaseSite = web.SockSite(runner, sock)
+        host, port = _split_host_port(host_port or "") if sock is None else ("", 0)
+        site: web.BaseSite
+        if front_enabled(app):  # the proxy: its JSON POSTs answered without aiohttp's server (_front)
+            site = FrontSite(runner, sock=sock, host=host, port=port, shutdown_timeout=shutdown_timeout)
+        elif sock is not None:
+            site = web.SockSite(runner, sock)
         else:
-            host, port = _split_host_port(host_port or "")
             site = web.TCPSite(runner, host, port)
         await site.start()
     except BaseException:

@@ -172,3 +172,13 @@ def test_the_benchmarks_shuffle_the_order_of_their_paths():
     # About a quarter each (itself only across turns), never the same one every time.
     assert all(0.1 < share < 0.45 for name, share in shares.items() if name != "litellm"), shares
     assert shuffled(paths, 7) == shuffled(paths, 7)  # a run can be repeated
+
+
+def test_the_hop_with_the_front_off_is_its_own_baseline_row():
+    rows = bs.hop_rows({"hop_s": {"nginx": 1e-4, "capyctl": 2e-4, "capyctl-aiohttp": 3.5e-4},
+                        "capyctl_per_request_s": 2e-4,
+                        "cpu_per_request_s": {"capyctl": 2e-4, "capyctl-aiohttp": 3e-4}})
+    assert [row.value for row in rows] == ["200 us vs nginx's 100 us (2.000x); proxy CPU 200 us/request",
+                                           "350 us; proxy CPU 300 us/request"]
+    assert rows[1].measure == "one hop, the proxy's front off (aiohttp's server alone)"
+    assert len(bs.hop_rows({"hop_s": {"nginx": 1e-4, "capyctl": 2e-4}})) == 1  # an older run: no such row

@@ -1,6 +1,7 @@
 """Fuzzing the proxy (hypothesis): random methods, paths, headers and bodies.
 
-The proxy runs on aiohttp's test server with a fake Router (the controller is not under
+The proxy runs as the daemon serves it (``serve``), once with its front and once on aiohttp's
+server alone (CAPYCTL_PROXY_FRONT=aiohttp), with a fake Router (the controller is not under
 test). Its one model cannot be woken: admission answers the documented 503 ``wake_failed``,
 so every request that passes validation ends there, and no engine is needed. Asserted: no
 5xx other than that 503, every error in the OpenAI shape with a stable code, and admission
@@ -17,12 +18,12 @@ from typing import AsyncIterator
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capyctl.errors import Unavailable
-from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app
+from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
 from capyctl.proxy._routes import FORM_ROUTES, JSON_ROUTES, SYSTEMONE_ROUTE
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -59,12 +60,13 @@ class Proxy:
         self.router = UnwakeableRouter()
         keys = StaticKeys({KEY: KeyGrant("fuzz"), SCOPED_KEY: KeyGrant("scoped", models=frozenset({"other"}))})
 
-        async def start() -> TestClient:
-            client = TestClient(TestServer(build_app(self.router, keys, max_body=MAX_BODY, max_upload=MAX_UPLOAD)))
-            await client.start_server()
-            return client
+        async def start() -> tuple[web.AppRunner, aiohttp.ClientSession]:
+            runner = await serve(build_app(self.router, keys, max_body=MAX_BODY, max_upload=MAX_UPLOAD),
+                                 host_port="127.0.0.1:0")
+            host, port = runner.addresses[0][:2]
+            return runner, aiohttp.ClientSession(base_url=f"http://{host}:{port}")
 
-        self.client = self.runner.run(start())
+        self.server, self.client = self.runner.run(start())
 
     def request(self, method: str, path: str, *, body: bytes | None, headers: dict[str, str]):
         async def go():
@@ -79,11 +81,14 @@ class Proxy:
 
     def close(self) -> None:
         self.runner.run(self.client.close())
+        self.runner.run(self.server.cleanup())
         self.runner.close()
 
 
-@pytest.fixture
-def proxy():
+@pytest.fixture(params=["front", "aiohttp-server"])
+def proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    if request.param == "aiohttp-server":
+        monkeypatch.setenv("CAPYCTL_PROXY_FRONT", "aiohttp")
     instance = Proxy()
     yield instance
     instance.close()

@@ -167,11 +167,15 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://{host}:{port}"
 
 
-# The proxy reaches engines through its own client (httptools), or through aiohttp's where
-# httptools is not installed: every test here runs with both.
-@pytest.fixture(params=["httptools", "aiohttp"])
+# Clients are served by the proxy's front (httptools) or by aiohttp's server (CAPYCTL_PROXY_FRONT=aiohttp,
+# and always where httptools is missing); engines are reached through the proxy's own client
+# (httptools) or aiohttp's (where httptools is missing): every test here runs with each pairing
+# that can happen.
+@pytest.fixture(params=["front", "aiohttp-server", "aiohttp-both"])
 async def setup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Setup]:
-    if request.param == "aiohttp":
+    if request.param != "front":
+        monkeypatch.setenv("CAPYCTL_PROXY_FRONT", "aiohttp")
+    if request.param == "aiohttp-both":
         monkeypatch.setattr(proxy_app, "make_engine_pool", lambda **_: None)
     fake = FakeOpenAI()
     upstream_app = web.Application()

@@ -1,0 +1,437 @@
+"""The proxy's front door: the requests that make its latency, served without aiohttp's server.
+
+aiohttp's web server costs about 110 µs of CPU per request above a bare asyncio protocol on
+the 2-core machines CapyCTL is measured on (one small JSON POST, a trivial handler: 170-183 vs
+63 µs), more than the whole hop nginx adds (benchmarks/proxy_hop.py). So the proxy's listening
+socket is served by :class:`FrontConnection`:
+
+- a request whose head is ordinary — HTTP/1.1, a POST to a JSON route of the table with a
+  body of one Content-Length within max_body, or a GET of /health, /metrics, /openapi.json
+  or /v1/models without a body; a Host; no Transfer-Encoding, Expect, Content-Encoding or Upgrade —
+  is parsed with httptools (llhttp, the parser aiohttp's C extension also uses) and answered
+  by the same code as aiohttp's handlers (``_app.answer_json``, ``_app.GET_ROUTES``);
+- the first request that is anything else (a form upload, /v1/systemone, a stored response,
+  an unknown route, a chunked or compressed body, a head httptools refuses...) hands the
+  connection, with every byte not yet answered, to aiohttp's RequestHandler, which keeps it
+  from then on.
+
+Both servers answer alike: the same error bodies, metrics, key check, cancellation of the
+engine request when the client goes away, keep-alive closing after 75 s idle (aiohttp's
+default), and graceful shutdown. ``CAPYCTL_PROXY_FRONT=aiohttp`` serves everything through
+aiohttp's server (to compare, or where the front misbehaves); so does ``CAPYCTL_ACCESS_LOG=1``
+(aiohttp writes that log), and so it is without httptools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import CapyError
+from ._app import CLIENT_CLOSED, GET_ROUTES, POOL, SESSION, STATE, Exchange, ProxyState, answer_json, authorize
+from ._errors import error_parts
+from ._routes import JSON_ROUTES, is_anthropic
+
+try:
+    import httptools
+except ImportError:  # pragma: no cover - a platform without its wheel: aiohttp's server alone
+    httptools = None
+
+log = logging.getLogger("capyctl.proxy")
+
+# A request head longer than this is left to aiohttp (which answers 400 past its own limits).
+HEAD_MAX = 64 * 1024
+# Idle keep-alive connections are closed after this long, as aiohttp's server does by default.
+KEEPALIVE_S = 75.0
+# Bytes a client may send ahead (pipelined) while its request is answered before reading pauses.
+AHEAD_MAX = 1 << 20
+_REASONS = {status.value: status.phrase.encode() for status in http.HTTPStatus}
+
+
+def front_enabled(app: web.Application) -> bool:
+    """Whether serve() puts the front before ``app``: a proxy app, httptools, not turned off, and
+    no access log asked for (CAPYCTL_ACCESS_LOG=1 is for debugging: every request through aiohttp's
+    server, which writes the log)."""
+    return (httptools is not None and STATE in app
+            and os.environ.get("CAPYCTL_PROXY_FRONT", "auto") != "aiohttp"
+            and os.environ.get("CAPYCTL_ACCESS_LOG") != "1")
+
+
+@dataclass(slots=True)
+class _Head:
+    """What one ordinary request head says, as the forwarding code needs it."""
+
+    size: int  # bytes of the head, blank line included
+    method: str  # POST (a JSON route) or GET (a GET route)
+    path: str
+    headers: dict[str, str]  # lower-case names
+    content_length: int
+    close: bool  # Connection: close
+
+
+class _HeadReader:
+    """httptools callbacks for one head. Header names are lowered; a repeated header is joined
+    with ", " (RFC 9110 5.3), except those whose repetition smells (two keys, two lengths):
+    ``odd`` then sends the request to aiohttp."""
+
+    __slots__ = ("url", "headers", "complete", "odd")
+
+    _SINGLE = frozenset({"content-length", "authorization", "x-api-key", "transfer-encoding", "host"})
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: dict[str, str] = {}
+        self.complete = False
+        self.odd = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        if key in self.headers:
+            if key in self._SINGLE:
+                self.odd = True
+            self.headers[key] += ", " + text
+        else:
+            self.headers[key] = text
+
+    def on_headers_complete(self) -> None:
+        self.complete = True
+
+
+def read_head(data: bytes, max_body: int) -> _Head | None:
+    """The head (ending with its blank line) of a request the front answers; None for any other."""
+    reader = _HeadReader()
+    parser = httptools.HttpRequestParser(reader)
+    try:
+        parser.feed_data(data)
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # (the latter is no HttpParserError)
+        return None
+    if not reader.complete or reader.odd or parser.get_http_version() != "1.1" or parser.should_upgrade():
+        return None
+    method = parser.get_method()
+    path = reader.url.partition(b"?")[0].decode("latin-1")  # the query is dropped, as for aiohttp's routes
+    headers = reader.headers
+    length = headers.get("content-length", "0" if method == b"GET" else "")
+    # No Host: RFC 9112 3.2 wants a 400, which aiohttp's server answers.
+    if ("host" not in headers or "transfer-encoding" in headers or "expect" in headers
+            or headers.get("content-encoding", "identity").strip().lower() != "identity"
+            # (llhttp takes any number of leading zeros; int() refuses past 4300 digits)
+            or not (length.isascii() and length.isdigit() and len(length) <= 18)):
+        return None
+    if method == b"POST" and path in JSON_ROUTES and int(length) <= max_body:
+        pass
+    elif method == b"GET" and path in GET_ROUTES and int(length) == 0:
+        pass
+    else:
+        return None
+    connection = {token.strip() for token in headers.get("connection", "").lower().split(",")}
+    if "upgrade" in connection:
+        return None
+    return _Head(len(data), method.decode(), path, headers, int(length), "close" in connection)
+
+
+@dataclass(slots=True, eq=False)
+class _Front:
+    """What every connection of one listening socket shares."""
+
+    state: ProxyState
+    pool: Any
+    session: Any
+    aiohttp_server: web.Server  # makes the RequestHandler a connection is handed to
+    loop: asyncio.AbstractEventLoop
+    connections: set[FrontConnection] = field(default_factory=set)
+    closing: bool = False
+
+
+_date_cache: list[Any] = [0, b""]
+
+
+def _date_line() -> bytes:
+    """The Date header (RFC 9110 6.6.1: an origin with a clock sends it), formatted once a second."""
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache[0] = now
+        _date_cache[1] = time.strftime("Date: %a, %d %b %Y %H:%M:%S GMT\r\n", time.gmtime(now)).encode()
+    return _date_cache[1]
+
+
+class FrontConnection(asyncio.Protocol):
+    """One client connection: its ordinary requests answered here, one at a time, in order; the
+    connection given to aiohttp at the first other one. Also the Reply of the request it answers."""
+
+    def __init__(self, front: _Front) -> None:
+        self._front = front
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._head: _Head | None = None  # read, its body not all here yet
+        self._task: asyncio.Task[None] | None = None  # the request being answered
+        self._lost = False
+        self._handed_off = False
+        self._reading_paused = False
+        self._writable: asyncio.Future[None] | None = None  # while the transport's buffer is full
+        self._last_active = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        # The request being answered.
+        self._status = 500
+        self._head_sent = False
+        self._close_after = False
+
+    # ------------------------------------------------------------ asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  (TCP_NODELAY: asyncio's and uvloop's default)
+        self._front.connections.add(self)
+        self._last_active = self._front.loop.time()
+        self._idle_timer = self._front.loop.call_at(self._last_active + KEEPALIVE_S, self._check_idle)
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        if self._task is None:
+            self._advance()
+        elif len(self._buffer) > AHEAD_MAX and not self._reading_paused:
+            assert self._transport is not None
+            self._transport.pause_reading()
+            self._reading_paused = True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._lost = True
+        self._front.connections.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self._task is not None:
+            self._task.cancel()  # as aiohttp's handler_cancellation: the engine request is closed
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = self._front.loop.create_future()
+
+    def resume_writing(self) -> None:
+        self._wake_writer()
+
+    # ------------------------------------------------------------ requests
+
+    def _advance(self) -> None:
+        """Start answering the next request if all of it is here, or hand the connection off."""
+        if self._front.closing:
+            return
+        buffer = self._buffer
+        if self._head is None:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buffer) > HEAD_MAX:
+                    self._hand_off()
+                return
+            self._head = read_head(bytes(buffer[:end + 4]), self._front.state.max_body)
+            if self._head is None:
+                self._hand_off()
+                return
+        head = self._head
+        total = head.size + head.content_length
+        if len(buffer) < total:
+            return
+        body = bytes(buffer[head.size:total])
+        del buffer[:total]
+        self._head = None
+        self._task = self._front.loop.create_task(self._answer(head, body))
+
+    async def _answer(self, head: _Head, body: bytes) -> None:
+        front = self._front
+        started = time.monotonic()
+        self._status, self._head_sent, self._close_after = 500, False, head.close
+        exchange = Exchange(front.state, front.pool, front.session, head.method, head.path, head.headers, self)
+        try:
+            if head.method == "POST":
+                await answer_json(exchange, authorize(exchange), body)
+            else:
+                await GET_ROUTES[head.path](exchange)
+        except CapyError as err:
+            self._answer_error(exchange, err)
+        except asyncio.CancelledError:
+            self._status = CLIENT_CLOSED  # the client went away (connection_lost)
+        except Exception:
+            log.exception("proxy: unexpected error on %s %s", head.method, head.path)
+            self._answer_error(exchange, CapyError("The proxy failed to handle this request.", status=500))
+        finally:
+            front.state.metrics.record(deployment=exchange.deployment, route=head.path,
+                                       status=self._status if exchange.outcome is None else exchange.outcome,
+                                       seconds=time.monotonic() - started)
+            self._task = None
+        self._next_request()
+
+    def _next_request(self) -> None:
+        if self._lost:
+            return
+        assert self._transport is not None
+        if self._close_after or self._front.closing:
+            self._transport.close()
+            return
+        self._last_active = self._front.loop.time()
+        if self._reading_paused:
+            self._reading_paused = False
+            self._transport.resume_reading()
+        if self._buffer:
+            self._advance()
+
+    def _answer_error(self, exchange: Exchange, error: CapyError) -> None:
+        if self._lost:
+            return
+        if self._head_sent:  # a stream already under way: only closing says something broke
+            assert self._transport is not None
+            self._status = error.status
+            self._transport.close()
+            return
+        headers, body = error_parts(error, anthropic=is_anthropic(exchange.path), param=error.detail.get("param"))
+        self.whole(error.status, headers, body)
+
+    def _hand_off(self) -> None:
+        """Give the connection, and what it sent that was not answered, to aiohttp's server."""
+        transport = self._transport
+        assert transport is not None and self._task is None
+        self._handed_off = True
+        self._front.connections.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        handler = self._front.aiohttp_server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self._reading_paused:
+            transport.resume_reading()
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        if data:
+            handler.data_received(data)
+
+    def _check_idle(self) -> None:
+        self._idle_timer = None
+        if self._lost or self._handed_off:
+            return
+        now = self._front.loop.time()
+        deadline = self._last_active + KEEPALIVE_S
+        if self._task is None and now >= deadline:
+            assert self._transport is not None
+            self._transport.close()
+            return
+        self._idle_timer = self._front.loop.call_at(max(deadline, now + 1.0), self._check_idle)
+
+    def close_when_idle(self) -> None:
+        """Shutting down: close now if no request is being answered, else after its answer."""
+        if self._task is None and self._transport is not None:
+            self._transport.close()
+        self._close_after = True
+
+    # ------------------------------------------------------------ Reply (_app.Reply)
+
+    def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self._write_head(status, headers, b"Content-Length: %d\r\n" % len(body), body)
+
+    async def start_stream(self, status: int, headers: dict[str, str]) -> None:
+        self._write_head(status, headers, b"Transfer-Encoding: chunked\r\n", b"")
+
+    async def write(self, data: bytes) -> None:
+        if not data:  # an empty chunk would end the body
+            return
+        self._transport_for_writing().writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        if self._writable is not None:
+            await self._drain()
+
+    async def end(self, last: bytes) -> None:
+        transport = self._transport_for_writing()
+        if last:
+            transport.writelines((b"%x\r\n" % len(last), last, b"\r\n0\r\n\r\n"))
+        else:
+            transport.write(b"0\r\n\r\n")
+        if self._writable is not None:
+            await self._drain()
+
+    def _write_head(self, status: int, headers: dict[str, str], framing: bytes, body: bytes) -> None:
+        transport = self._transport_for_writing()
+        self._status = status
+        self._head_sent = True
+        parts = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
+        parts += [f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items()]
+        parts += [framing, _date_line()]
+        if self._close_after:
+            parts.append(b"Connection: close\r\n")
+        parts += [b"\r\n", body]
+        transport.write(b"".join(parts))
+
+    def _transport_for_writing(self) -> asyncio.Transport:
+        transport = self._transport
+        if self._lost or transport is None or transport.is_closing():
+            raise ConnectionResetError("The client closed the connection.")
+        return transport
+
+    async def _drain(self) -> None:
+        waiter = self._writable
+        if waiter is not None:
+            await waiter
+        if self._lost:
+            raise ConnectionResetError("The client closed the connection.")
+
+    def _wake_writer(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class FrontSite(web.BaseSite):
+    """A listening socket (passed, or bound on HOST:PORT) served by the front, for an AppRunner
+    whose app is the proxy; stopping it closes the front's connections gracefully."""
+
+    __slots__ = ("_sock", "_host", "_port", "_shutdown_timeout", "_front")
+
+    def __init__(self, runner: web.AppRunner, *, sock: socket.socket | None = None, host: str = "127.0.0.1",
+                 port: int = 0, shutdown_timeout: float = 10.0) -> None:
+        super().__init__(runner)
+        self._sock, self._host, self._port = sock, host, port
+        self._shutdown_timeout = shutdown_timeout
+        self._front: _Front | None = None
+
+    @property
+    def name(self) -> str:
+        if self._sock is not None and self._sock.family == socket.AF_UNIX:
+            return f"http://unix:{self._sock.getsockname()}:"
+        host, port = self._sock.getsockname()[:2] if self._sock is not None else (self._host, self._port)
+        return f"http://{host}:{port}"
+
+    async def start(self) -> None:
+        await super().start()
+        runner = self._runner
+        assert isinstance(runner, web.AppRunner) and runner.server is not None
+        app = runner.app
+        loop = asyncio.get_running_loop()
+        front = self._front = _Front(app[STATE], app[POOL], app[SESSION], runner.server, loop)
+        if self._sock is not None:
+            self._server = await loop.create_server(lambda: FrontConnection(front), sock=self._sock,
+                                                    backlog=self._backlog)
+        else:
+            self._server = await loop.create_server(lambda: FrontConnection(front), self._host, self._port,
+                                                    backlog=self._backlog)
+
+    async def stop(self) -> None:
+        await super().stop()  # no new connections
+        front = self._front
+        if front is None:
+            return
+        front.closing = True
+        for connection in list(front.connections):
+            connection.close_when_idle()
+        busy = [c._task for c in front.connections if c._task is not None]
+        if busy:
+            _, pending = await asyncio.wait(busy, timeout=self._shutdown_timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)

@@ -1,0 +1,313 @@
+"""The proxy's front (capyctl/proxy/_front.py), spoken to byte by byte over raw loopback sockets.
+
+Which server answered shows in the answer: aiohttp's server names itself in a ``Server``
+header, the front sends none. The engine is a small aiohttp app in this file; the Router is a
+one-model fake. tests/unit/test_proxy.py runs the proxy's whole behaviour through the front
+and through aiohttp's server alike; this file is about what only the front does: framing,
+keep-alive, pipelining, handing a connection to aiohttp, idle closing, shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from capyctl.errors import CapyError
+from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+from capyctl.proxy import _front
+
+KEY = "sk-front"
+HANG_GUARD = 10.0  # seconds; only reached when the behaviour under test is broken
+MAX_BODY = 4096
+
+
+class OneModelRouter:
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.in_flight = 0
+
+    def models(self) -> list[ModelEntry]:
+        return [ModelEntry(id="m", deployment="dep", state="ready", engine="llama.cpp", created=1)]
+
+    @asynccontextmanager
+    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
+        if model != "m":
+            raise CapyError(f"No deployment serves {model}.", code="model_not_found", status=404)
+        self.in_flight += 1
+        try:
+            yield self.upstream
+        finally:
+            self.in_flight -= 1
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {"dep": {"queue_depth": 0, "in_flight": self.in_flight}}
+
+
+@dataclass
+class Proxy:
+    host: str
+    port: int
+    runner: web.AppRunner
+    release: asyncio.Event  # lets a "slow" stream finish
+    engine_saw: list[dict]
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(self.host, self.port)
+
+
+@pytest.fixture
+async def proxy() -> AsyncIterator[Proxy]:
+    release = asyncio.Event()
+    engine_saw: list[dict] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        engine_saw.append(body)
+        said = body["messages"][0]["content"]
+        if not body.get("stream"):
+            return web.json_response({"object": "chat.completion", "echo": said})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + json.dumps({"echo": said}).encode() + b"\n\n")
+        if said == "slow":
+            await asyncio.wait_for(release.wait(), HANG_GUARD)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    engine_app = web.Application()
+    engine_app.router.add_post("/v1/chat/completions", chat)
+    engine = await serve(engine_app, host_port="127.0.0.1:0")
+    engine_host, engine_port = engine.addresses[0][:2]
+    upstream = Upstream("dep", f"http://{engine_host}:{engine_port}", "launch", "llama.cpp", frozenset({"chat"}))
+    app = build_app(OneModelRouter(upstream), StaticKeys({KEY: KeyGrant("t")}), max_body=MAX_BODY)
+    runner = await serve(app, host_port="127.0.0.1:0")
+    host, port = runner.addresses[0][:2]
+    try:
+        yield Proxy(host, port, runner, release, engine_saw)
+    finally:
+        release.set()
+        await runner.cleanup()
+        await engine.cleanup()
+
+
+def chat_request(said: str, *, stream: bool = False, extra: str = "", key: str = KEY) -> bytes:
+    body = json.dumps({"model": "m", "stream": stream, "messages": [{"role": "user", "content": said}]}).encode()
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    @property
+    def by_aiohttp(self) -> bool:
+        return "server" in self.headers
+
+
+async def read_answer(reader: asyncio.StreamReader) -> Answer:
+    """One HTTP/1.1 answer: status, headers, and its body by Content-Length or chunks."""
+    async def go() -> Answer:
+        status_line = await reader.readline()
+        assert status_line.startswith((b"HTTP/1.1 ", b"HTTP/1.0 ")), status_line  # aiohttp's 400s are 1.0
+        headers: dict[str, str] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        status = int(status_line.split()[1])
+        if status == 100:
+            return await go()
+        if headers.get("transfer-encoding") == "chunked":
+            body = b""
+            while size := int((await reader.readline()).strip(), 16):
+                body += await reader.readexactly(size)
+                assert await reader.readexactly(2) == b"\r\n"
+            assert await reader.readexactly(2) == b"\r\n"
+        else:
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+        return Answer(status, headers, body)
+    return await asyncio.wait_for(go(), HANG_GUARD)
+
+
+async def closed(reader: asyncio.StreamReader) -> bool:
+    return await asyncio.wait_for(reader.read(1), HANG_GUARD) == b""
+
+
+async def test_json_and_get_routes_are_answered_by_the_front_on_one_kept_alive_connection(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    for request, check in (
+        (b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n", lambda a: json.loads(a.body) == {"status": "ok"}),
+        (chat_request("one"), lambda a: json.loads(a.body)["echo"] == "one"),
+        (f"GET /v1/models HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode(),
+         lambda a: json.loads(a.body)["data"][0]["id"] == "m"),
+        (chat_request("two", stream=True), lambda a: a.body.endswith(b"data: [DONE]\n\n") and b'"two"' in a.body),
+        (chat_request("three"), lambda a: json.loads(a.body)["echo"] == "three"),
+    ):
+        writer.write(request)
+        answer = await read_answer(reader)
+        assert answer.status == 200 and check(answer), answer
+        assert not answer.by_aiohttp and answer.headers["date"].endswith("GMT")
+    writer.close()
+
+
+async def test_errors_from_the_front_have_the_openai_shape(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("x", key="sk-wrong"))
+    answer = await read_answer(reader)
+    assert (answer.status, json.loads(answer.body)["error"]["code"]) == (401, "invalid_api_key")
+    assert answer.headers["content-type"] == "application/json; charset=utf-8" and not answer.by_aiohttp
+    body = b'{"model": "nope"}'
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer " + KEY.encode()
+                 + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    answer = await read_answer(reader)
+    assert (answer.status, json.loads(answer.body)["error"]["code"]) == (404, "model_not_found")
+    writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("first", stream=True) + chat_request("second") + chat_request("third", stream=True))
+    echoes = [(await read_answer(reader)).body for _ in range(3)]
+    assert b'"first"' in echoes[0] and json.loads(echoes[1])["echo"] == "second" and b'"third"' in echoes[2]
+    writer.close()
+
+
+async def test_a_request_that_arrives_byte_by_byte_is_answered(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    for byte in chat_request("slowly"):
+        writer.write(bytes([byte]))
+        await writer.drain()
+    answer = await read_answer(reader)
+    assert json.loads(answer.body)["echo"] == "slowly" and not answer.by_aiohttp
+    writer.close()
+
+
+@pytest.mark.parametrize(("odd_request", "keeps_connection"), [
+    pytest.param(b"GET /nope HTTP/1.1\r\nHost: p\r\n\r\n", True, id="unknown-route"),
+    pytest.param(b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer " + KEY.encode()
+                 + b"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"mod\r\n0\r\n\r\n", True, id="chunked-body"),
+    pytest.param(b"DELETE /v1/chat/completions HTTP/1.1\r\nHost: p\r\nContent-Length: 0\r\n\r\n", True,
+                 id="other-method"),
+    # Heads aiohttp's parser refuses: it answers 400 and closes the connection.
+    pytest.param(b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\nContent-Length: 2\r\n\r\n{}",
+                 False, id="two-lengths"),
+    pytest.param(b"GET /health HTTP/1.1\r\n\r\n", False, id="no-host"),
+    pytest.param(b"GET /nope HTTP/1.1\r\nHost: p\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n", True,
+                 id="upgrade"),
+    pytest.param(b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer " + KEY.encode()
+                 + b"\r\nContent-Length: " + b"0" * 5000 + b"2\r\n\r\n{}", True, id="5000-digit-length"),
+])
+async def test_any_other_request_hands_the_connection_to_aiohttp_with_nothing_lost(
+        proxy: Proxy, odd_request: bytes, keeps_connection: bool) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("before"))
+    before = await read_answer(reader)
+    assert json.loads(before.body)["echo"] == "before" and not before.by_aiohttp
+    # The odd request and an ordinary one behind it in the same write: both reach aiohttp's server.
+    writer.write(odd_request + chat_request("after"))
+    odd = await read_answer(reader)
+    assert odd.by_aiohttp and odd.status >= 400
+    if odd.headers.get("content-type", "").startswith("application/json"):
+        assert json.loads(odd.body)["error"]["code"]
+    if keeps_connection:
+        after = await read_answer(reader)
+        assert after.by_aiohttp and json.loads(after.body)["echo"] == "after"
+    else:
+        assert odd.status == 400 and await closed(reader)
+    writer.close()
+
+
+async def test_expect_100_continue_and_http_1_0_are_left_to_aiohttp(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("x", extra="Expect: 100-continue\r\n"))
+    answer = await read_answer(reader)
+    assert answer.by_aiohttp and json.loads(answer.body)["echo"] == "x"
+    writer.close()
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("old").replace(b"HTTP/1.1", b"HTTP/1.0", 1))
+    status_line = await asyncio.wait_for(reader.readline(), HANG_GUARD)
+    assert status_line.split()[1] == b"200"
+    writer.close()
+
+
+async def test_a_body_over_max_body_is_refused_413_without_waiting_for_it(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer " + KEY.encode()
+                 + b"\r\nContent-Length: %d\r\n\r\n" % (MAX_BODY + 1))
+    answer = await read_answer(reader)
+    assert (answer.status, json.loads(answer.body)["error"]["code"]) == (413, "request_too_large")
+    writer.close()
+
+
+async def test_connection_close_is_honoured(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("bye", extra="Connection: close\r\n"))
+    answer = await read_answer(reader)
+    assert json.loads(answer.body)["echo"] == "bye" and answer.headers["connection"] == "close"
+    assert not answer.by_aiohttp and await closed(reader)
+    writer.close()
+
+
+async def test_an_idle_connection_is_closed_after_the_keepalive_time(proxy: Proxy,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_front, "KEEPALIVE_S", 0.2)
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("once"))
+    assert json.loads((await read_answer(reader)).body)["echo"] == "once"
+    assert await closed(reader)
+    writer.close()
+
+
+async def test_shutdown_lets_a_stream_in_flight_finish_and_closes_idle_connections(proxy: Proxy) -> None:
+    idle_reader, idle_writer = await proxy.connect()
+    idle_writer.write(b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n")
+    await read_answer(idle_reader)
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("slow", stream=True))
+    first = await asyncio.wait_for(reader.readuntil(b"\n\n"), HANG_GUARD)  # headers and the first event
+    assert b'"slow"' in first
+    cleanup = asyncio.create_task(proxy.runner.cleanup())
+    assert await closed(idle_reader)
+    assert not cleanup.done()
+    proxy.release.set()
+    rest = await asyncio.wait_for(reader.read(), HANG_GUARD)  # to the end: the connection is closed after it
+    assert b"data: [DONE]" in rest and rest.endswith(b"0\r\n\r\n")
+    await asyncio.wait_for(cleanup, HANG_GUARD)
+    writer.close()
+    idle_writer.close()
+
+
+async def test_a_client_that_leaves_mid_stream_cancels_the_engine_request(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("slow", stream=True))
+    await asyncio.wait_for(reader.readuntil(b"\n\n"), HANG_GUARD)
+    router = proxy.runner.app[_front.STATE].router
+    assert router.in_flight == 1
+    writer.close()
+
+    async def released() -> None:
+        while router.in_flight:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(released(), HANG_GUARD)  # admission slot given back without the engine finishing
+    assert not proxy.release.is_set()
+
+
+async def test_metrics_count_requests_the_front_answered(proxy: Proxy) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("counted"))
+    await read_answer(reader)
+    writer.write(f"GET /metrics HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+    metrics = (await read_answer(reader)).body.decode()
+    assert any(line.startswith("capyctl_requests_total{") and 'route="/v1/chat/completions"' in line
+               and 'deployment="dep"' in line and 'status="200"' in line and line.endswith(" 1.0")
+               for line in metrics.splitlines()), metrics
+    writer.close()
