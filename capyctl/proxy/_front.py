@@ -186,6 +186,7 @@ class FrontConnection(asyncio.Protocol):
         self._status = 500
         self._head_sent = False
         self._close_after = False
+        self._stream_head = b""  # a stream's head, sent with its first chunk (one send, as aiohttp does)
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -249,7 +250,7 @@ class FrontConnection(asyncio.Protocol):
     async def _answer(self, head: _Head, body: bytes) -> None:
         front = self._front
         started = time.monotonic()
-        self._status, self._head_sent, self._close_after = 500, False, head.close
+        self._status, self._head_sent, self._close_after, self._stream_head = 500, False, head.close, b""
         exchange = Exchange(front.state, front.pool, front.session, head.method, head.path, head.headers, self)
         try:
             if head.method == "POST":
@@ -334,38 +335,41 @@ class FrontConnection(asyncio.Protocol):
     # ------------------------------------------------------------ Reply (_app.Reply)
 
     def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
-        self._write_head(status, headers, b"Content-Length: %d\r\n" % len(body), body)
+        self._transport_for_writing().write(
+            self._head_bytes(status, headers, b"Content-Length: %d\r\n" % len(body)) + body)
 
     async def start_stream(self, status: int, headers: dict[str, str]) -> None:
-        self._write_head(status, headers, b"Transfer-Encoding: chunked\r\n", b"")
+        self._transport_for_writing()
+        self._stream_head = self._head_bytes(status, headers, b"Transfer-Encoding: chunked\r\n")
 
     async def write(self, data: bytes) -> None:
         if not data:  # an empty chunk would end the body
             return
-        self._transport_for_writing().writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        head, self._stream_head = self._stream_head, b""
+        self._transport_for_writing().writelines((head + b"%x\r\n" % len(data), data, b"\r\n"))
         if self._writable is not None:
             await self._drain()
 
     async def end(self, last: bytes) -> None:
         transport = self._transport_for_writing()
+        head, self._stream_head = self._stream_head, b""
         if last:
-            transport.writelines((b"%x\r\n" % len(last), last, b"\r\n0\r\n\r\n"))
+            transport.writelines((head + b"%x\r\n" % len(last), last, b"\r\n0\r\n\r\n"))
         else:
-            transport.write(b"0\r\n\r\n")
+            transport.write(head + b"0\r\n\r\n")
         if self._writable is not None:
             await self._drain()
 
-    def _write_head(self, status: int, headers: dict[str, str], framing: bytes, body: bytes) -> None:
-        transport = self._transport_for_writing()
+    def _head_bytes(self, status: int, headers: dict[str, str], framing: bytes) -> bytes:
         self._status = status
-        self._head_sent = True
+        self._head_sent = True  # (or held for the first chunk: the status can no longer change)
         parts = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))]
         parts += [f"{name}: {value}\r\n".encode("latin-1") for name, value in headers.items()]
         parts += [framing, _date_line()]
         if self._close_after:
             parts.append(b"Connection: close\r\n")
-        parts += [b"\r\n", body]
-        transport.write(b"".join(parts))
+        parts.append(b"\r\n")
+        return b"".join(parts)
 
     def _transport_for_writing(self) -> asyncio.Transport:
         transport = self._transport

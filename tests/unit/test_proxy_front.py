@@ -1,8 +1,8 @@
 """The proxy's front (capyctl/proxy/_front.py), spoken to byte by byte over raw loopback sockets.
 
 Which server answered shows in the answer: aiohttp's server names itself in a ``Server``
-header, the front sends none. The engine is a small aiohttp app in this file; the Router is a
-one-model fake. tests/unit/test_proxy.py runs the proxy's whole behaviour through the front
+header, the front sends none. The engine is a small aiohttp app in this file; the Router is
+test_proxy's fake, with one model. tests/unit/test_proxy.py runs the proxy's whole behaviour through the front
 and through aiohttp's server alike; this file is about what only the front does: framing,
 keep-alive, pipelining, handing a connection to aiohttp, idle closing, shutdown.
 """
@@ -11,42 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import pytest
 from aiohttp import web
 
-from capyctl.errors import CapyError
-from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app, serve
 from capyctl.proxy import _front
+from tests.unit.test_proxy import FakeRouter
 
 KEY = "sk-front"
 HANG_GUARD = 10.0  # seconds; only reached when the behaviour under test is broken
 MAX_BODY = 4096
-
-
-class OneModelRouter:
-    def __init__(self, upstream: Upstream) -> None:
-        self.upstream = upstream
-        self.in_flight = 0
-
-    def models(self) -> list[ModelEntry]:
-        return [ModelEntry(id="m", deployment="dep", state="ready", engine="llama.cpp", created=1)]
-
-    @asynccontextmanager
-    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
-        if model != "m":
-            raise CapyError(f"No deployment serves {model}.", code="model_not_found", status=404)
-        self.in_flight += 1
-        try:
-            yield self.upstream
-        finally:
-            self.in_flight -= 1
-
-    def stats(self) -> dict[str, dict[str, float]]:
-        return {"dep": {"queue_depth": 0, "in_flight": self.in_flight}}
 
 
 @dataclass
@@ -86,7 +63,7 @@ async def proxy() -> AsyncIterator[Proxy]:
     engine = await serve(engine_app, host_port="127.0.0.1:0")
     engine_host, engine_port = engine.addresses[0][:2]
     upstream = Upstream("dep", f"http://{engine_host}:{engine_port}", "launch", "llama.cpp", frozenset({"chat"}))
-    app = build_app(OneModelRouter(upstream), StaticKeys({KEY: KeyGrant("t")}), max_body=MAX_BODY)
+    app = build_app(FakeRouter({"m": upstream}), StaticKeys({KEY: KeyGrant("t")}), max_body=MAX_BODY)
     runner = await serve(app, host_port="127.0.0.1:0")
     host, port = runner.addresses[0][:2]
     try:
