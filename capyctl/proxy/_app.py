@@ -659,8 +659,11 @@ def _upstream_headers(upstream: Upstream, content_type: str = "application/json"
 
 
 def _content_type_of(payload: bytes | aiohttp.MultipartWriter) -> str:
-    # A form's Content-Type carries its boundary.
-    return payload.content_type if isinstance(payload, aiohttp.MultipartWriter) else "application/json"
+    # A form's Content-Type carries its boundary. (bytes first: isinstance against MultipartWriter
+    # goes through ABCMeta, measurable on every request in proxy_hop's native profile.)
+    if isinstance(payload, bytes):
+        return "application/json"
+    return payload.content_type
 
 
 def _verdict(upstream: Upstream) -> CapyError | None:
