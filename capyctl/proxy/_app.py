@@ -792,16 +792,18 @@ async def _stream(exchange: Exchange, upstream: Upstream, upstream_response: Eng
         if not chunk:
             break
         pending += chunk
-        cut = _complete_events_end(pending)
+        # (Engines send whole events, so the common case is one that ends the buffer: no scan, no copy.)
+        cut = len(pending) if pending.endswith(b"\n\n") else _complete_events_end(pending)
         if cut:
+            events = pending if cut == len(pending) else pending[:cut]
             try:
-                await reply.write(pending[:cut])
+                await reply.write(events)
             except ConnectionError:
                 exchange.outcome = CLIENT_CLOSED
                 return
-            finished = finished or _ends_stream(pending[:cut])
+            finished = finished or _ends_stream(events)
             if exchange.responses_model is not None:
-                _remember_streamed_response(exchange, pending[:cut])
+                _remember_streamed_response(exchange, events)
             pending = pending[cut:]
     verdict = _verdict(upstream)
     if verdict is not None and not (finished or _ends_stream(pending)):

@@ -259,8 +259,10 @@ class FrontConnection(asyncio.Protocol):
                 await GET_ROUTES[head.path](exchange)
         except CapyError as err:
             self._answer_error(exchange, err)
-        except asyncio.CancelledError:
-            self._status = CLIENT_CLOSED  # the client went away (connection_lost)
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away: connection_lost cancelled the task, or the connection was already
+            # closing when the answer was written (its connection_lost not yet called).
+            self._status = CLIENT_CLOSED
         except Exception:
             log.exception("proxy: unexpected error on %s %s", head.method, head.path)
             self._answer_error(exchange, CapyError("The proxy failed to handle this request.", status=500))
@@ -286,7 +288,8 @@ class FrontConnection(asyncio.Protocol):
             self._advance()
 
     def _answer_error(self, exchange: Exchange, error: CapyError) -> None:
-        if self._lost:
+        if self._lost or self._transport is None or self._transport.is_closing():
+            self._status = CLIENT_CLOSED
             return
         if self._head_sent:  # a stream already under way: only closing says something broke
             assert self._transport is not None

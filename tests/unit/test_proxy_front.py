@@ -47,6 +47,8 @@ async def proxy() -> AsyncIterator[Proxy]:
         body = await request.json()
         engine_saw.append(body)
         said = body["messages"][0]["content"]
+        if said == "wait":
+            await asyncio.wait_for(release.wait(), HANG_GUARD)
         if not body.get("stream"):
             return web.json_response({"object": "chat.completion", "echo": said})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -288,3 +290,38 @@ async def test_metrics_count_requests_the_front_answered(proxy: Proxy) -> None:
                and 'deployment="dep"' in line and 'status="200"' in line and line.endswith(" 1.0")
                for line in metrics.splitlines()), metrics
     writer.close()
+
+
+class _ClosingTransport:
+    """The client's transport as it is between a failed write and connection_lost: closing."""
+
+    def __init__(self, real: asyncio.Transport) -> None:
+        self._real = real
+
+    def is_closing(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+
+async def test_an_answer_for_a_connection_already_closing_counts_as_client_closed(
+        proxy: Proxy, caplog: pytest.LogCaptureFixture) -> None:
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("wait"))
+    front = next(site for site in proxy.runner.sites if isinstance(site, _front.FrontSite))._front
+    assert front is not None
+
+    async def in_flight() -> _front.FrontConnection:
+        while not (busy := [c for c in front.connections if c._task is not None]):
+            await asyncio.sleep(0.01)
+        return busy[0]
+    connection = await asyncio.wait_for(in_flight(), HANG_GUARD)
+    connection._transport = _ClosingTransport(connection._transport)  # type: ignore[assignment]
+    task = connection._task
+    proxy.release.set()  # the engine answers; writing it finds the connection closing
+    await asyncio.wait_for(task, HANG_GUARD)  # ends without an exception
+    assert not [r for r in caplog.records if "unexpected error" in r.getMessage()]
+    metrics = proxy.runner.app[_front.STATE].metrics.render({}).decode()
+    assert 'status="499"' in metrics and 'route="/v1/chat/completions"' in metrics, metrics
+    writer.close()  # (the real transport stays open here: only the wrapper says it is closing)
