@@ -60,8 +60,12 @@ http {{
 {server}
 }}
 """
+# keepalive_timeout 4s: llama-server closes a connection idle for 5 s (Keep-Alive: timeout=5), and
+# nginx does not retry a POST on a kept-alive connection the engine closed: with nginx's default
+# of 60 s a run ended on nginx's 502. CapyCTL's pool keeps 4 s for the same reason
+# (capyctl/proxy/connector.py ENGINE_KEEPALIVE_S).
 PROXY_SERVER = """\
-    upstream llama {{ server 127.0.0.1:{engine_port}; keepalive 32; }}
+    upstream llama {{ server 127.0.0.1:{engine_port}; keepalive 32; keepalive_timeout 4s; }}
     server {{
         listen 127.0.0.1:{port};
         client_max_body_size 8m;
