@@ -60,10 +60,13 @@ http {{
 {server}
 }}
 """
-# keepalive_timeout 4s: llama-server closes a connection idle for 5 s (Keep-Alive: timeout=5), and
-# nginx does not retry a POST on a kept-alive connection the engine closed: with nginx's default
-# of 60 s a run ended on nginx's 502. CapyCTL's pool keeps 4 s for the same reason
-# (capyctl/proxy/connector.py ENGINE_KEEPALIVE_S).
+# nginx as CapyCTL's pool behaves towards llama-server, or a run ends on nginx's 502:
+# - keepalive_timeout 4s: llama-server closes a connection idle for 5 s (Keep-Alive: timeout=5);
+#   CapyCTL keeps 4 s for the same reason (capyctl/proxy/connector.py ENGINE_KEEPALIVE_S);
+# - proxy_next_upstream error non_idempotent: a POST sent on a kept-alive connection the engine
+#   closed meanwhile is sent again on a new one (nginx counts one more try for a cached connection
+#   that fails), as CapyCTL's pool does (_upstream.py); nginx's default never resends a POST, and
+#   a run with 64 concurrent streams ended on its 502.
 PROXY_SERVER = """\
     upstream llama {{ server 127.0.0.1:{engine_port}; keepalive 32; keepalive_timeout 4s; }}
     server {{
@@ -76,6 +79,7 @@ PROXY_SERVER = """\
             proxy_set_header Authorization "Bearer {launch_key}";
             proxy_buffering off;
             proxy_read_timeout 600s;
+            proxy_next_upstream error non_idempotent;
         }}
     }}"""
 
