@@ -66,9 +66,11 @@ http {{
 # - keepalive_timeout 4s: llama-server closes a connection idle for 5 s (Keep-Alive: timeout=5);
 #   CapyCTL keeps 4 s for the same reason (capyctl/proxy/connector.py ENGINE_KEEPALIVE_S);
 # - proxy_next_upstream error non_idempotent: a POST sent on a kept-alive connection the engine
-#   closed meanwhile is sent again on a new one (nginx counts one more try for a cached connection
-#   that fails), as CapyCTL's pool does (_upstream.py); nginx's default never resends a POST, and
-#   a run with 64 concurrent streams ended on its 502.
+#   closed meanwhile is sent again on a new one, as CapyCTL's pool does (_upstream.py). nginx's
+#   docs (ngx_http_proxy_module, proxy_next_upstream): "requests with a non-idempotent method
+#   (POST, LOCK, PATCH) are not passed to the next server if a request has been sent to an upstream
+#   server (1.9.13); enabling this option explicitly allows retrying such requests". A run with 64
+#   concurrent streams ended on nginx's 502 without it and completed with it (one upstream server).
 PROXY_SERVER = """\
     upstream llama {{ server 127.0.0.1:{engine_port}; keepalive 32; keepalive_timeout 4s; }}
     server {{
