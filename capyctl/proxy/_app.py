@@ -145,7 +145,6 @@ class Exchange:
     state: ProxyState
     pool: Any  # EnginePool, or None where httptools is missing
     session: aiohttp.ClientSession | None
-    method: str
     path: str
     headers: Mapping[str, str]  # aiohttp's (any case), or lower-case names (the front)
     reply: Reply
@@ -251,8 +250,7 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
 def _exchange(request: web.Request) -> Exchange:
     """The Exchange of a request aiohttp's server received; its answer is ``reply.response``."""
     app = request.app
-    exchange = Exchange(app[STATE], app[POOL], app[SESSION], request.method, request.path, request.headers,
-                        _AiohttpReply(request))
+    exchange = Exchange(app[STATE], app[POOL], app[SESSION], request.path, request.headers, _AiohttpReply(request))
     request[_EXCHANGE] = exchange
     return exchange
 
@@ -284,9 +282,12 @@ class _AiohttpReply:
             await self.response.write(last)
         await self.response.write_eof()
 
-    def answer(self) -> web.StreamResponse:
-        assert self.response is not None, "the request was not answered"
-        return self.response
+
+def _answer_of(exchange: Exchange) -> web.StreamResponse:
+    """What an aiohttp handler returns: the response its Exchange's reply holds."""
+    reply = exchange.reply
+    assert isinstance(reply, _AiohttpReply) and reply.response is not None, "the request was not answered"
+    return reply.response
 
 
 # ---------------------------------------------------------------- request checks
@@ -531,7 +532,7 @@ GET_ROUTES = {"/health": _answer_health, "/metrics": _answer_metrics, "/openapi.
 async def _get_route(request: web.Request) -> web.StreamResponse:
     exchange = _exchange(request)
     await GET_ROUTES[request.path](exchange)
-    return exchange.reply.answer()  # type: ignore[attr-defined]
+    return _answer_of(exchange)
 
 
 def _route_not_served(target: Upstream | ModelEntry, model: str, route: str) -> CapyError:
@@ -568,7 +569,7 @@ async def _json_route(request: web.Request) -> web.StreamResponse:
     exchange = _exchange(request)
     grant = authorize(exchange)  # before the body is read: no key, no reading
     await answer_json(exchange, grant, await _read_body(request))
-    return exchange.reply.answer()  # type: ignore[attr-defined]
+    return _answer_of(exchange)
 
 
 async def answer_json(exchange: Exchange, grant: KeyGrant | None, raw: bytes) -> None:
@@ -594,7 +595,7 @@ async def _form_route(request: web.Request) -> web.StreamResponse:
         entry = _admit_model(exchange, grant, form.model)
         async with _admitted(exchange, form.model, FORM_ROUTES[request.path], request.path, entry) as upstream:
             await _forward(exchange, upstream, request.path, form.writer(upstream.served_model))
-            return exchange.reply.answer()  # type: ignore[attr-defined]
+            return _answer_of(exchange)
 
 
 async def _stored_response_route(request: web.Request) -> web.StreamResponse:
@@ -615,7 +616,7 @@ async def _stored_response_route(request: web.Request) -> web.StreamResponse:
         status = await _forward(exchange, upstream, path, b"", method=request.method)
     if request.method == "DELETE" and status < 300:
         responses.forget(response_id)
-    return exchange.reply.answer()  # type: ignore[attr-defined]
+    return _answer_of(exchange)
 
 
 async def _systemone_route(request: web.Request) -> web.StreamResponse:
@@ -633,7 +634,7 @@ async def _systemone_route(request: web.Request) -> web.StreamResponse:
             exchange.deployment = upstream.deployment
             if "systemone" in upstream.capabilities:
                 await _forward(exchange, upstream, "/v1/systemone", _payload_for(upstream, raw, body, model))
-                return exchange.reply.answer()  # type: ignore[attr-defined]
+                return _answer_of(exchange)
             if "decisions" in upstream.capabilities:  # TensorFold: the same questions, its own shape
                 _systemone.check_decidable(parsed)
                 return web.json_response(await _answer_from_decisions(exchange, upstream, parsed))

@@ -251,7 +251,7 @@ class FrontConnection(asyncio.Protocol):
         front = self._front
         started = time.monotonic()
         self._status, self._head_sent, self._close_after, self._stream_head = 500, False, head.close, b""
-        exchange = Exchange(front.state, front.pool, front.session, head.method, head.path, head.headers, self)
+        exchange = Exchange(front.state, front.pool, front.session, head.path, head.headers, self)
         try:
             if head.method == "POST":
                 await answer_json(exchange, authorize(exchange), body)
