@@ -35,6 +35,8 @@ class Deployment(_Open):
     in_flight: int = 0
     waiting: int = 0
     parked_in_place: bool = False
+    armed: bool = Field(default=False, description="Parked by stopping, with the next launch's unit already "
+                        "started and held at its gate: the wake only opens it.")
     wakes: int = 0
     parks: int = 0
 

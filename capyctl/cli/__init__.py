@@ -309,6 +309,8 @@ def park_lines(d: dict) -> list[str]:
         retained = sum((record.get("retained") or {}).values())
         lines.append(f"          last park reached {record.get('tier')}" + (
             f", still holding {human_bytes(retained)} (kept charged)" if retained else ", memory released"))
+    if d.get("armed"):
+        lines.append("          armed: the next launch's unit is started and waits at its gate")
     proof = record.get("proof") or {}
     if record.get("wake_seconds") is not None:
         lines.append(f"          last wake {record['wake_seconds']:.2f}s, proof {proof.get('result', 'none')}"

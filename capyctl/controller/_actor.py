@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -49,7 +50,15 @@ Progress = Callable[[str], None]
 
 
 # The health poll's interval while a start is young (the first 2 s), then 50 ms, backing off after 30 s.
-HEALTH_POLL_S = 0.02
+HEALTH_POLL_S = 0.01
+# "0" turns off arming at a park (_arm): every wake from a park by stopping then starts its unit.
+ARM_PARKED_ENV = "CAPYCTL_ARM_PARKED"
+
+
+def arm_parked_units() -> bool:
+    return os.environ.get(ARM_PARKED_ENV, "1").strip().lower() not in ("0", "no", "false", "off")
+
+
 # A restart wake's proof waits for the requests it woke for to be answered, at most this long
 # under steady traffic (then it runs beside them).
 PROOF_IDLE_WAIT_S = 30.0
@@ -132,6 +141,9 @@ class DeploymentActor:
         self.key: str | None = None
         # The next launch's key, sealed when the deployment parked by stopping (_preseal).
         self._presealed: _Presealed | None = None
+        # A park by stopping starts the next launch's unit at once, held at its gate (_arm): what
+        # that launch was planned with, compared at the wake; None when no unit is armed.
+        self._armed: tuple | None = None
         self.model_path: str | None = None
         self.model_commit: str | None = revision.model_commit
         self.parked_in_place = False
@@ -388,7 +400,8 @@ class DeploymentActor:
                 laps.lap("wake in place")
             else:
                 self._set(STARTING if self.state in (STOPPED, FAILED) else WAKING)
-                await self._launch(progress)
+                if not await self._open_armed(progress):
+                    await self._launch(progress)
             await self._wait_healthy(progress, self.spec.timeouts.start)
             laps.lap("health")
             if woken_from_park and not woken_in_place:
@@ -546,7 +559,52 @@ class DeploymentActor:
         state = await self.systemd.unit_state(self.unit)
         return state is not None and state.active_state == "active"
 
-    async def _launch(self, progress: Progress) -> None:
+    def _launch_inputs(self) -> tuple:
+        """What a launch is planned from that can change while a deployment is parked: its host,
+        revision and engine registration, the cards and memory share placement gives it, its
+        threads and the host's settings. An armed unit whose inputs changed is not used."""
+        ctl = self.controller
+        return (self.host, self.revision.revision, ctl.engine_for(self.spec), ctl.gpus_for(self),
+                ctl.launch_memory(self), ctl.cpu_threads(self.spec, self.host), ctl.dev_controls(self.host),
+                ctl.unified_memory(self.host))
+
+    def _can_arm(self) -> bool:
+        # Local only: open_gate pins the gate shell by its pid, which a remote host's is not here.
+        # A group's members are launched by _members.py, each of its own.
+        return not self.remote and self.spec.nodes == 1 and self.group is None and arm_parked_units()
+
+    async def _arm(self) -> None:
+        """After a park by stopping: start the next launch's unit now, held at its gate, so the
+        wake only opens the gate. systemd's sandboxed start (about 50 ms here, most of it mount
+        namespaces; benchmarks/wake_vs_manual.py) leaves the wake's path; the gate shell holds
+        no GPU and about a MiB of RAM. Its failure only means the wake starts the unit."""
+        self._laps = _Laps()
+        try:
+            await self._launch(_no_progress, gated=True)
+        except (CapyError, OSError) as exc:
+            log.info("deployment %s: the next launch was not armed at the park (%s); the wake will start it",
+                     self.name, exc)
+            with contextlib.suppress(CapyError):
+                await self._stop_unit()
+            return
+        self._armed = self._launch_inputs()
+
+    async def _open_armed(self, progress: Progress) -> bool:
+        """Open the armed unit's gate; False (the unit stopped, if there was one) when the wake
+        must launch afresh: nothing armed, its inputs changed, or it no longer waits at its gate."""
+        armed, self._armed = self._armed, None
+        if armed is None:
+            return False
+        if armed == self._launch_inputs() and await self.systemd.open_gate(self.unit):
+            progress(f"opened the gate of unit {self.unit}, started at the park")
+            self._laps.lap("open gate")
+            return True
+        log.info("deployment %s: the unit armed at the park was not used (its launch changed, or it left "
+                 "its gate); starting afresh", self.name)
+        await self._stop_unit()
+        return False
+
+    async def _launch(self, progress: Progress, *, gated: bool = False) -> None:
         from ..engines import LaunchContext  # the controller is the one place engines are used
         from ..systemd import TransientUnit
 
@@ -601,7 +659,9 @@ class DeploymentActor:
                        **self.spec.env}
         unit = TransientUnit(
             name=self.unit,
-            description=f"CapyCTL deployment {self.name} (rev {self.revision.revision}, {engine.type})",
+            description=f"CapyCTL deployment {self.name} (rev {self.revision.revision}, {engine.type}"
+                        + ("; started at its park, held at its gate until a wake)" if gated else ")"),
+            gated=gated,
             argv=plan.argv, environment=environment,
             credentials=credentials, encrypted_credentials=encrypted,
             credential_environment=plan.credential_environment(), **confined.unit_fields(),
@@ -612,9 +672,13 @@ class DeploymentActor:
             runtime_directory=engine_socket_runtime_directory(self.name) if plan.socket_path else None,
             private_network=plan.socket_path is not None,
             markers={"deployment": self.name, "revision": str(self.revision.revision), "launch": self.launch_id,
-                     "port": str(self.port), **({"socket": plan.socket_path} if plan.socket_path else {})})
-        self._set(self.state)  # persist launch id and port before the unit exists: adoption needs them
-        progress(f"starting unit {self.unit}" + (f" on host {self.host}" if self.remote else ""))
+                     "port": str(self.port), **({"socket": plan.socket_path} if plan.socket_path else {}),
+                     **({"gate": "armed"} if gated else {})})
+        # Persist launch id and port before the unit exists: adoption needs them (the reason
+        # stays: an armed park's is why it parked).
+        self._set(self.state, self.reason)
+        progress(f"starting unit {self.unit}" + (f" on host {self.host}" if self.remote else "")
+                 + (" held at its gate" if gated else ""))
         self._unit_exited.clear()
         self._expect_exit = False
         await self.systemd.start_transient(unit)
@@ -664,9 +728,10 @@ class DeploymentActor:
                 progress(f"waiting for the engine's health check ({now - began:.0f}s)")
                 last_note = now
             # The exit watcher wakes this loop at once. A loopback health probe costs about a
-            # millisecond, so poll every 20 ms while a wake is young (half an interval is added to
-            # each wake on average: backing off to 0.5 s cost ~0.5 s per wake, benchmarks/
-            # wake_vs_manual.py), and back off only for long loads of big models.
+            # millisecond, so poll every 10 ms while a wake is young, as a script starting the
+            # engine by hand would (half an interval is added to each wake on average: backing
+            # off to 0.5 s cost ~0.5 s per wake, benchmarks/wake_vs_manual.py), and back off only
+            # for long loads of big models.
             try:
                 await asyncio.wait_for(self._unit_exited.wait(), timeout=delay)
             except asyncio.TimeoutError:
@@ -722,6 +787,8 @@ class DeploymentActor:
             log.exception("deployment %s: watching %s failed", self.name, self.unit)
 
     async def _do_unit_exited(self, code: str, message: str) -> None:
+        if self.state == PARKED and not self.parked_in_place:
+            self._armed = None  # the armed unit is gone: the wake starts one
         if self.state == FAILED or (self.state in (STOPPED, PARKED, STOPPING) and not self.parked_in_place):
             return
         await self._fail(code, message)
@@ -760,7 +827,10 @@ class DeploymentActor:
         while self.in_flight > 0:
             await asyncio.sleep(0.05)
 
-    async def _do_park(self, evicting: bool = False, reason: str | None = None, in_place_ok: bool = True) -> str:
+    async def _do_park(self, evicting: bool = False, reason: str | None = None, in_place_ok: bool = True,
+                       idle: bool = False) -> str:
+        """``evicting``: refuse (Busy) rather than wait for requests in flight; ``idle``: the idle
+        parker's, which evicts for nobody, so the next launch is sealed and armed as at a park by request."""
         if self.spec.park == "never" and evicting:
             raise Busy(f"deployment {self.name!r} has park: never", code="park_never")
         if self.group is not None:
@@ -800,8 +870,10 @@ class DeploymentActor:
         retained = await self.controller.retain_after_park(self) if in_place else {}
         self._save_park_record(tier=tier if in_place else RESTART, parked_at=wall_clock(), parked_in_place=in_place,
                                retained=retained)
-        if not in_place and not evicting:
+        if not in_place and (idle or not evicting):
             await self._preseal()
+            if self._can_arm():
+                await self._arm()
         return self.state
 
     async def _preseal(self) -> None:
@@ -819,6 +891,7 @@ class DeploymentActor:
         self._presealed = _Presealed(self.host, key, credentials, encrypted)
 
     async def _stop_unit(self) -> None:
+        self._armed = None
         self._expect_exit = True
         await self.systemd.stop_unit(self.unit, self.spec.timeouts.stop)
         self._unit_exited.set()
@@ -879,6 +952,13 @@ class DeploymentActor:
         self._unit_exited.clear()
         self._expect_exit = False
         self._start_watch()
+        if runtime.state == PARKED and unit_state.markers.get("gate") == "armed":
+            # Armed at a park by the previous daemon, which alone knew what it was planned with:
+            # stopped, so the next wake starts a launch planned here.
+            await self._stop_unit()
+            self.parked_in_place = False
+            self._set(PARKED, "adopted")
+            return self.state
         if runtime.state == PARKED:
             self.parked_in_place = True
             self._set(PARKED, "adopted")
@@ -990,6 +1070,7 @@ class DeploymentActor:
             else [self.host] if self.launch_id or not spec.hosts else spec.hosts,
             "host_state": self._host_state(), "in_flight": self.in_flight, "waiting": self.waiting,
             "last_used": self.last_used or None, "parked_in_place": self.parked_in_place,
+            "armed": self._armed is not None,
             "wakes": self.wakes, "parks": self.parks, "aliases": spec.aliases,
             "park_tier": self.park_tier,
             "park_record": {k: v for k, v in self.park_record.items() if k != "reference"},

@@ -709,7 +709,7 @@ class Controller:
                 if after is None or actor.state != READY or actor.busy or actor.spec.park == "never":
                     continue
                 if now - (actor.last_used or now) >= after and not actor.has_pending_commands:
-                    actor.submit("park", evicting=True, reason=f"idle for {after:.0f}s")
+                    actor.submit("park", evicting=True, idle=True, reason=f"idle for {after:.0f}s")
 
     # -- Router (for the proxy) ---------------------------------------------------------------------
 

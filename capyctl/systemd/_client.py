@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal as signal_module
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -16,7 +18,7 @@ from capyctl.errors import SystemdError
 
 from ._dbus import (MANAGER_IFACE, MANAGER_PATH, PROPERTIES_IFACE, SERVICE_IFACE, SYSTEMD,
                     UNIT_IFACE, Manager, Service, Unit, add_match, remove_match, unwrap)
-from ._units import TransientUnit, markers_from_environment, unit_object_path
+from ._units import GATE_NAME, GATE_SCRIPT, TransientUnit, markers_from_environment, unit_object_path
 
 _UNSET = 2**64 - 1  # systemd's "infinity" / "not set" for uint64 properties
 _BUSY_STATES = frozenset({"active", "activating", "reloading", "deactivating"})
@@ -397,6 +399,49 @@ class SystemdClient:
             raise SystemdError(f"{unit.name} did not start (job {result}).", code="start_failed",
                                detail=detail)
         return state
+
+    async def open_gate(self, name: str, settle: float = 1.0) -> bool:
+        """Continue a unit started with ``gated=True`` (its shell stopped at GATE_SCRIPT's gate):
+        True once its main process was sent SIGCONT, False when it is not waiting there (not
+        active, gone, its command already running, or this systemd's processes not visible here).
+
+        The process is pinned with a pidfd and checked to be the unit's own gate shell (its cgroup
+        and its $0) before the signal, so a reused pid is never signalled. A unit started a moment
+        ago may not have reached its gate yet: it gets ``settle`` seconds to.
+        """
+        state = await self.unit_state(name)
+        if state is None or state.active_state != "active" or not state.main_pid or not state.control_group \
+                or self._fs_root != Path("/"):
+            return False
+        try:
+            pidfd = os.pidfd_open(state.main_pid)
+        except OSError:
+            return False
+        try:
+            proc = Path(f"/proc/{state.main_pid}")
+            deadline = time.monotonic() + settle
+            while True:
+                try:
+                    cgroup = (proc / "cgroup").read_text()
+                    argv = (proc / "cmdline").read_bytes().split(b"\0")
+                    run_state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                except (OSError, IndexError):
+                    return False
+                at_gate = len(argv) > 3 and argv[3] == GATE_NAME.encode() and argv[2] == GATE_SCRIPT.encode()
+                if not at_gate or not any(line.endswith(":" + state.control_group)
+                                          for line in cgroup.splitlines()):
+                    return False
+                if run_state == "T":
+                    break
+                if run_state not in ("R", "S", "D") or time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.002)  # between exec and its kill -STOP
+            signal_module.pidfd_send_signal(pidfd, signal_module.SIGCONT)
+            return True
+        except ProcessLookupError:
+            return False
+        finally:
+            os.close(pidfd)
 
     async def stop_unit(self, name: str, timeout: float = 30.0) -> UnitState | None:
         """Stop the unit and return once it has no processes left.

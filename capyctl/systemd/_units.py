@@ -33,6 +33,15 @@ _CREDENTIAL_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,200}$")
 _MS_REC = 16384
 # The shell that exports credentials as environment variables (credential_environment).
 CREDENTIAL_SHELL = "/bin/sh"
+# A unit started at its gate (TransientUnit.gated): systemd builds the whole sandbox (namespaces,
+# mounts, credentials, seccomp: most of a start's time, benchmarks/wake_vs_manual.py) and execs
+# this shell, which stops itself before it execs the command; SystemdClient.open_gate continues
+# it. ``kill`` is the shell's builtin and $$ its own pid, the unit's main pid, which the command
+# keeps (exec), so Type=exec, signals and the unit's stop reach the engine as they would
+# without the gate. A stop while it waits: systemd sends SIGTERM, then SIGCONT (systemd.kill(5)),
+# so the pending SIGTERM ends the shell before it execs anything.
+GATE_SCRIPT = 'kill -STOP $$ && exec "$@"'
+GATE_NAME = "capyctl-gate"  # the shell's $0: what open_gate checks the stopped process is
 
 
 @dataclass
@@ -102,6 +111,8 @@ class TransientUnit:
     cache_directory: str | None = None
     # KillMode=mixed: SIGTERM to the main process, SIGKILL to stragglers after the timeout.
     stop_timeout: float = 30.0
+    # Start the unit held at its gate (GATE_SCRIPT): sandboxed, its command not yet run.
+    gated: bool = False
 
     def validate(self) -> None:
         if not _UNIT_NAME.match(self.name):
@@ -152,11 +163,14 @@ class TransientUnit:
     def exec_argv(self) -> list[str]:
         """The command systemd runs: argv itself, or the credential shell that exports
         credential_environment and then execs argv (same pid, so Type=exec and signals still
-        reach the engine)."""
-        if not self.credential_environment:
-            return list(self.argv)
-        return [CREDENTIAL_SHELL, "-c", credential_environment_script(self.credential_environment),
-                "capyctl-credentials", *self.argv]
+        reach the engine); a gated unit's gate shell first, which execs that in turn."""
+        argv = list(self.argv)
+        if self.credential_environment:
+            argv = [CREDENTIAL_SHELL, "-c", credential_environment_script(self.credential_environment),
+                    "capyctl-credentials", *argv]
+        if self.gated:
+            argv = [CREDENTIAL_SHELL, "-c", GATE_SCRIPT, GATE_NAME, *argv]
+        return argv
 
     def environment_entries(self) -> list[str]:
         entries = [f"{k}={v}" for k, v in self.environment.items()]

@@ -161,6 +161,34 @@ class CapyHost:
     def unit_property(self, unit: str, prop: str) -> str:
         return self.sh("systemctl", "show", "-P", prop, unit, check=False).stdout.strip()
 
+    def unit_processes(self, unit: str) -> list[tuple[int, str, str]]:
+        """(pid, run state, argv) of every process in the unit's cgroup, read inside the sandbox."""
+        cgroup = self.unit_property(unit, "ControlGroup")
+        if not cgroup:
+            return []
+        # cgroup v2, or v1 (the named systemd hierarchy, or the unified one of a hybrid layout).
+        script = ('for f in /sys/fs/cgroup/unified /sys/fs/cgroup/systemd /sys/fs/cgroup; do '
+                  '[ -e "$f$1/cgroup.procs" ] && break; done; '
+                  'for p in $(cat "$f$1/cgroup.procs"); do '
+                  'printf "%s %s " "$p" "$(cut -d")" -f2 /proc/$p/stat | cut -d" " -f2)"; '
+                  'tr "\\000\\012" "  " < /proc/$p/cmdline; echo; done')  # NULs and newlines: spaces
+        out = self.sh("sh", "-c", script, "procs", cgroup, check=False).stdout
+        rows = []
+        for line in out.splitlines():
+            pid, state, argv = (line.split(" ", 2) + ["", ""])[:3]
+            rows.append((int(pid), state, argv.strip()))
+        return rows
+
+    def armed_at_gate(self, unit: str) -> bool:
+        """Whether the unit is active with nothing in it but its gate shell, stopped before its
+        engine (a park by stopping that armed the next launch: capyctl/systemd/_units.py GATE_SCRIPT)."""
+        from capyctl.systemd._units import GATE_NAME
+        if self.unit_property(unit, "ActiveState") != "active":
+            return False
+        procs = self.unit_processes(unit)
+        return len(procs) == 1 and procs[0][1] == "T" and f" {GATE_NAME} " in f" {procs[0][2]} " \
+            and str(procs[0][0]) == self.unit_property(unit, "MainPID")
+
     def write_manifest(self, name: str, text: str) -> Path:
         path = self.root / f"{name}.yaml"
         path.write_text(text)

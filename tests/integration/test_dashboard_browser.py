@@ -109,9 +109,10 @@ def test_park_through_the_dashboard_changes_the_unit_and_the_page(capyhost, smol
         print(f"\ndashboard screenshots: {artifacts / 'ready.png'} {artifacts / 'parked.png'}")
         assert driver.find_element(By.ID, "action-error").text == ""
 
-        # The unit really changed: llama-server parks by stopping its unit.
+        # The unit really changed: llama-server parks by stopping its engine (the next launch's
+        # unit waits at its gate, with no engine in it).
         assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "parked"
-        assert capyhost.unit_property(unit, "ActiveState") in ("inactive", "")
+        assert capyhost.armed_at_gate(unit), capyhost.unit_processes(unit)
         # Wake is offered now, Park no longer.
         wait.until(lambda d: button("wake").is_enabled() and not button("park").is_enabled())
     finally:

@@ -41,10 +41,15 @@ def test_deploy_answer_park_wake(capyhost, smollm2):
     listed = {d["name"]: d for d in capyhost.cli_json("list", "deployments")}
     assert listed["smollm2"]["state"] == "ready" and listed["smollm2"]["revision"] == 1
 
-    # Park: llama.cpp parks by stopping its unit, which releases its memory.
+    # Park: llama.cpp parks by stopping its engine, which releases its memory; the next launch's
+    # unit is started at once, held at its gate (a stopped shell, no engine) until the wake.
     running_key = capyhost.engine_key("smollm2")
+    running_invocation = capyhost.unit_property(UNIT, "InvocationID")
     capyhost.cli("park", "deployment", "smollm2")
-    assert capyhost.unit_property(UNIT, "ActiveState") in ("inactive", "")
+    assert capyhost.armed_at_gate(UNIT), capyhost.unit_processes(UNIT)
+    armed_invocation = capyhost.unit_property(UNIT, "InvocationID")
+    assert armed_invocation != running_invocation
+    assert capyhost.cli_json("status", "deployment", "smollm2")["armed"] is True
     # The park sealed the next launch's key (a new one), so the wake need not run systemd-creds.
     sealed = capyhost.state_dir / "secrets" / "smollm2.cred"
     next_key, sealed_at = capyhost.engine_key("smollm2"), sealed.stat().st_mtime_ns
@@ -58,7 +63,12 @@ def test_deploy_answer_park_wake(capyhost, smollm2):
     assert woken.choices[0].message.content.strip()
     status = capyhost.cli_json("status", "deployment", "smollm2")
     assert status["state"] == "ready" and status["wakes"] == 2 and status["parks"] == 1
+    assert status["armed"] is False
     assert capyhost.unit_property(UNIT, "ActiveState") == "active"
+    # The unit armed at the park is the one serving: the wake opened its gate, started nothing.
+    assert capyhost.unit_property(UNIT, "InvocationID") == armed_invocation
+    assert [argv.split()[0].rsplit("/", 1)[-1] for _, _, argv in capyhost.unit_processes(UNIT)] == ["llama-server"]
+    assert "open gate" in capyhost.daemon_journal(400)
     assert sealed.stat().st_mtime_ns == sealed_at and capyhost.engine_key("smollm2") == next_key
 
 

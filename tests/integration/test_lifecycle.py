@@ -163,7 +163,8 @@ def test_idle_deployment_parks_by_itself(capyhost, smollm2):
         time.sleep(0.5)
     assert status["state"] == "parked", status
     assert status["reason"] == "idle for 2s"
-    assert capyhost.unit_property("capyctl-smollm2.service", "ActiveState") in ("inactive", "")
+    # Its engine is gone, and with nobody waiting the next launch's unit was armed, as at a park by request.
+    assert capyhost.armed_at_gate("capyctl-smollm2.service"), capyhost.unit_processes("capyctl-smollm2.service")
     assert ask(c, "smollm2")  # and it wakes on the next request
 
 

@@ -320,3 +320,74 @@ async def test_engine_unit_hardening_exposure(sandbox: Sandbox) -> None:
         assert exposure < 3.0, verdict
     finally:
         await client.close()
+
+
+GATE_CHECK = r'''
+import asyncio, json, sys, time
+from pathlib import Path
+from capyctl.systemd import SystemdClient, TransientUnit
+
+def proc(pid):
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return stat, Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+async def main():
+    client = await SystemdClient.connect()  # as the daemon does: this systemd's own pid namespace
+    seen = {}
+    gated = TransientUnit(name="capyctl-gated.service", description="gated", argv=["/bin/sleep", "300"], gated=True)
+    state = await client.start_transient(gated)
+    seen["opened"] = await client.open_gate(gated.name)  # may settle: the shell stops itself after exec
+    await asyncio.sleep(0.2)
+    after = await client.unit_state(gated.name)
+    seen["after"] = [after.main_pid == state.main_pid, *proc(after.main_pid)]
+    seen["again"] = await client.open_gate(gated.name)  # its command runs now: no gate to open
+    plain = TransientUnit(name="capyctl-plain.service", description="plain", argv=["/bin/sleep", "300"])
+    await client.start_transient(plain)
+    seen["plain"] = await client.open_gate(plain.name)
+    waiting = TransientUnit(name="capyctl-waiting.service", description="waiting", argv=["/bin/sleep", "300"],
+                            gated=True, stop_timeout=30)
+    state = await client.start_transient(waiting)
+    for _ in range(100):
+        if proc(state.main_pid)[0] == "T":
+            break
+        await asyncio.sleep(0.01)
+    seen["waiting"] = list(proc(state.main_pid))
+    began = time.monotonic()
+    final = await client.stop_unit(waiting.name, timeout=30)
+    seen["stop_s"] = time.monotonic() - began
+    seen["stopped"] = final.active_state if final else "gone"
+    for unit in (gated, plain):
+        await client.stop_unit(unit.name, timeout=10)
+    print(json.dumps(seen))
+
+asyncio.run(main())
+'''
+
+
+async def test_a_gated_unit_waits_stopped_until_its_gate_is_opened(sandbox: Sandbox) -> None:
+    """TransientUnit(gated=True): the sandboxed shell stops itself before its command; open_gate
+    continues it (the same pid becomes the command); a unit not at a gate is left alone; a stop
+    while it waits ends it at once, not after the stop timeout (SIGTERM, then SIGCONT)."""
+    import json
+    out = sandbox.run([PYTHON, "-c", GATE_CHECK], check=True, cwd=str(Path(__file__).resolve().parents[2]))
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["opened"] is True
+    assert seen["after"] == [True, "S", "/bin/sleep"]
+    assert seen["again"] is False and seen["plain"] is False
+    assert seen["waiting"] == ["T", "/bin/sh"]
+    assert seen["stop_s"] < 5 and seen["stopped"] in ("inactive", "gone")
+
+
+async def test_open_gate_refuses_where_the_units_pids_are_not_ours(sandbox: Sandbox) -> None:
+    """A client outside that systemd's pid namespace (fs_root elsewhere) must not signal a pid it
+    would read in its own namespace: it answers False and the unit keeps waiting."""
+    client = await connect(sandbox)
+    try:
+        unit = TransientUnit(name="capyctl-far.service", description="far", argv=["/bin/sleep", "300"], gated=True)
+        await client.start_transient(unit)
+        assert await client.open_gate(unit.name) is False
+        state = await client.unit_state(unit.name)
+        assert state is not None and state.active_state == "active"
+        await client.stop_unit(unit.name, timeout=10)
+    finally:
+        await client.close()

@@ -237,10 +237,12 @@ def test_real_vllm_through_capyctl(host, vllm_venv, vllm_model):
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
     _other_generation_routes(host, client, user_key)
 
-    # Park: a stop on a CPU host, which releases all of its memory.
+    # Park: a stop on a CPU host, which releases all of its memory; the next launch's unit waits
+    # at its gate (no engine in it) and the wake below opens it.
     parked = host.cli_json("park", "deployment", "tiny")
-    assert parked["state"] == "parked" and not parked["parked_in_place"]
-    assert host.unit_property(UNIT, "ActiveState") in ("inactive", "")
+    assert parked["state"] == "parked" and not parked["parked_in_place"] and parked["armed"]
+    assert host.armed_at_gate(UNIT), host.unit_processes(UNIT)
+    assert int(host.unit_property(UNIT, "MemoryCurrent")) < 16 << 20
 
     # A llama.cpp deployment takes the room; the next request for vLLM wakes it and, since the
     # host budget holds only one of the two, parks llama.cpp first.

@@ -306,9 +306,15 @@ class _RecordingSystemd:
 
     def __init__(self) -> None:
         self.started: list = []
+        self.stopped: list = []
+        self.gates_opened: list = []
 
     async def unit_state(self, name):
         return None
+
+    async def open_gate(self, name):
+        self.gates_opened.append(name)
+        return True
 
     async def start_transient(self, unit, **_):
         self.started.append(unit)
@@ -318,10 +324,14 @@ class _RecordingSystemd:
         yield  # pragma: no cover
 
     async def stop_unit(self, name, timeout=30.0):
+        self.stopped.append(name)
         return None
 
 
-async def test_the_controllers_launch_carries_the_planned_share_and_only_the_planned_card(tmp_path, monkeypatch):
+@pytest.fixture
+async def vllm_on_two_cards(tmp_path, monkeypatch):
+    """A Controller over a recording systemd and two fake cards (an L4, an H100), with vLLM
+    registered and a model directory: (controller, systemd, launch contexts, model path)."""
     import sys
 
     from capyctl.config import Paths
@@ -349,16 +359,70 @@ async def test_the_controllers_launch_carries_the_planned_share_and_only_the_pla
     model = tmp_path / "model"
     model.mkdir()
     try:
-        actor = await ctl.deploy(parse_manifest(f"name: chat\nengine: vllm\nmodel: {{path: {model}}}\n"
-                                                "resources: {gpus: 1, gpu_memory: 30GiB, ram: 2GiB}\npark: stop\n"))
-        await ctl.make_room(actor, lambda _: None)
-        await actor._launch(lambda _: None)
-        ctx, unit = contexts[-1], systemd.started[-1]
-        # The H100 (NVML index 1, /dev/nvidia7): the L4 cannot hold 30 GiB.
-        assert ctx.gpu_indices == [1] and unit.devices == ["/dev/nvidia7", "/dev/nvidiactl", "/dev/nvidia-uvm"]
-        assert ctx.gpu_memory_budget == 30 * GiB and ctx.gpu_memory_fraction == 0.368
-        assert unit.environment["CUDA_VISIBLE_DEVICES"] == "1"
-        assert unit.environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+        yield ctl, systemd, contexts, model
     finally:
         await ctl.close()
         store.close()
+
+
+async def test_the_controllers_launch_carries_the_planned_share_and_only_the_planned_card(vllm_on_two_cards):
+    ctl, systemd, contexts, model = vllm_on_two_cards
+    actor = await ctl.deploy(parse_manifest(f"name: chat\nengine: vllm\nmodel: {{path: {model}}}\n"
+                                            "resources: {gpus: 1, gpu_memory: 30GiB, ram: 2GiB}\npark: stop\n"))
+    await ctl.make_room(actor, lambda _: None)
+    await actor._launch(lambda _: None)
+    ctx, unit = contexts[-1], systemd.started[-1]
+    # The H100 (NVML index 1, /dev/nvidia7): the L4 cannot hold 30 GiB.
+    assert ctx.gpu_indices == [1] and unit.devices == ["/dev/nvidia7", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+    assert ctx.gpu_memory_budget == 30 * GiB and ctx.gpu_memory_fraction == 0.368
+    assert unit.environment["CUDA_VISIBLE_DEVICES"] == "1"
+    assert unit.environment["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+async def _ready_on_the_h100(ctl, model):
+    actor = await ctl.deploy(parse_manifest(f"name: chat\nengine: vllm\nmodel: {{path: {model}}}\n"
+                                            "resources: {gpus: 1, gpu_memory: 30GiB, ram: 2GiB}\npark: stop\n"))
+    await ctl.make_room(actor, lambda _: None)
+    await actor._launch(lambda _: None)
+    actor._set("ready")
+    return actor
+
+
+async def test_a_park_arms_the_next_launch_on_the_planned_card_and_a_changed_plan_is_not_used(vllm_on_two_cards):
+    """A park by stopping starts the next launch's unit held at its gate (controller/_actor.py
+    _arm) with the card and share the plan gives; the wake opens that gate only while the plan
+    is unchanged, else stops the armed unit and launches afresh."""
+    ctl, systemd, contexts, model = vllm_on_two_cards
+    actor = await _ready_on_the_h100(ctl, model)
+    running = systemd.started[-1]
+    assert not running.gated
+
+    assert await actor._do_park() == "parked"
+    armed = systemd.started[-1]
+    assert armed is not running and armed.gated and systemd.stopped == ["capyctl-chat.service"]
+    assert armed.exec_argv()[:4] == ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "capyctl-gate"]
+    assert armed.devices == running.devices == ["/dev/nvidia7", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+    assert armed.markers["gate"] == "armed" and actor.describe()["armed"] is True
+    assert await actor._open_armed(lambda _: None) is True
+    assert systemd.gates_opened == ["capyctl-chat.service"] and actor.describe()["armed"] is False
+
+    # Parked again and armed; then placement moves it to the other card before the wake.
+    actor._set("ready")
+    await actor._do_park()
+    assert systemd.started[-1].gated
+    ctl.memory.gpus_for = lambda actor, rank=None: (0,)
+    assert await actor._open_armed(lambda _: None) is False
+    assert systemd.gates_opened == ["capyctl-chat.service"]  # that gate was not opened
+    assert systemd.stopped[-1] == "capyctl-chat.service" and actor.describe()["armed"] is False
+
+
+async def test_an_eviction_does_not_arm_but_an_idle_park_does(vllm_on_two_cards):
+    ctl, systemd, contexts, model = vllm_on_two_cards
+    actor = await _ready_on_the_h100(ctl, model)
+    await actor._do_park(evicting=True)  # another deployment's wake waits for this park
+    assert len(systemd.started) == 1 and actor.describe()["armed"] is False
+    await actor._do_stop()
+    await actor._launch(lambda _: None)
+    actor._set("ready")
+    await actor._do_park(evicting=True, idle=True)
+    assert systemd.started[-1].gated and actor.describe()["armed"] is True

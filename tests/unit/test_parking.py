@@ -191,3 +191,11 @@ def test_status_shows_the_park_record_and_parsers():
     text = "\n".join(lines)
     assert "tier deep" in text and "kept charged" in text and "proof failed" in text
     assert "tool calls: hermes (model_family, model_type qwen2)" in text
+
+
+def test_status_says_when_a_park_armed_the_next_launch():
+    from capyctl.cli import park_lines
+    record = {"tier": "restart", "parked_at": 1.0, "retained": {}}
+    armed = "\n".join(park_lines({"park_tier": "restart", "park_record": record, "armed": True}))
+    assert "memory released" in armed and "armed: the next launch's unit is started and waits at its gate" in armed
+    assert "armed" not in "\n".join(park_lines({"park_tier": "restart", "park_record": record, "armed": False}))
