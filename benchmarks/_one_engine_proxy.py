@@ -28,6 +28,7 @@ async def run(args: argparse.Namespace) -> None:
     # --store: keys checked against the daemon's SQLite store as the daemon does; else in memory.
     keys = StoreKeys(Store(args.store)) if args.store else StaticKeys({args.client_key: KeyGrant("bench")})
     runner = await serve(build_app(OneEngineRouter(upstream), keys), host_port=f"127.0.0.1:{args.port}")
+    eventloop.freeze_startup_objects()  # as the daemon does once it serves (capyctl/daemon.py)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     print(f"ready {runner.addresses[0][1]}", flush=True)

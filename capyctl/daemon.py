@@ -190,6 +190,7 @@ async def _main(config: DaemonConfig, *, no_auth: bool, sockets: dict | None) ->
                       "(see the journal)")
     loop.add_signal_handler(signal.SIGHUP, reload)
     await daemon.start(sockets)
+    eventloop.freeze_startup_objects()
     sd_notify("READY=1\nSTATUS=serving")
     try:
         await stop.wait()

@@ -9,6 +9,7 @@ benchmarks/proxy_hop.py on a 2-core VM). It is a dependency on the platforms it 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 from typing import Callable, Coroutine, TypeVar
 
@@ -34,3 +35,17 @@ def run(main: Coroutine[object, object, T]) -> T:
     """``asyncio.run`` on the loop :func:`loop_factory` chooses."""
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(main)
+
+
+def freeze_startup_objects() -> None:
+    """Once the daemon is wired and serving: collect, then move every object alive now (modules,
+    the app, pydantic schemas, some 50,000 of them) out of the cyclic collector's sight.
+
+    They live as long as the process, yet every full collection walked them all: in
+    benchmarks/proxy_hop.py the proxy's full collections took 20-39 ms each, a pause some request
+    waits out, against 0.1-2 ms for the young generations; frozen, one took 0.04 ms. Objects made
+    later are collected as before; frozen ones are still freed by reference counting, only a
+    cycle among them would stay (gc.freeze's documentation).
+    """
+    gc.collect()
+    gc.freeze()
