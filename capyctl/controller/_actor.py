@@ -895,6 +895,12 @@ class DeploymentActor:
         self._expect_exit = True
         await self.systemd.stop_unit(self.unit, self.spec.timeouts.stop)
         self._unit_exited.set()
+        # The unit is gone: its watch has nothing left to say, and what it still had queued
+        # (the stop's own states) must not reach the next launch, which clears _expect_exit and
+        # may start at once (an armed park does).
+        if self._watch_task is not None and not self._watch_task.done():
+            self._watch_task.cancel()
+        self._watch_task = None
         await self._drop_forward()
         self.controller.release_port(self.name)
 

@@ -275,6 +275,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
                         help="not a vLLM flag: each launch's answers begin with its own launch number "
                              "(counted in $HOME, the unit's cache directory), as a model whose files "
                              "changed between two starts would answer differently")
+    parser.add_argument("--fake-ignore-sigterm", action="store_true",
+                        help="not a vLLM flag: SIGTERM is ignored, as llama-server stopped mid-generation "
+                             "was seen to ignore it (\"cleaning up before exit\", then nothing until "
+                             "systemd's SIGKILL after the stop timeout)")
     args, _unknown = parser.parse_known_args(argv)  # real engine flags the fake does not model
     return args, serve_shape
 
@@ -313,8 +317,11 @@ def main(argv: list[str] | None = None) -> None:
         sock.bind((args.host or "", args.port))
     if args.startup_delay > 0:
         time.sleep(args.startup_delay)  # bound, not listening: connections are refused meanwhile
-    # run_app stops cleanly on SIGTERM, as systemd stops a unit.
-    web.run_app(FakeVllm(args).app(), sock=sock, print=None, access_log=None)
+    if args.fake_ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # run_app stops cleanly on SIGTERM, as systemd stops a unit (unless told to ignore it).
+    web.run_app(FakeVllm(args).app(), sock=sock, print=None, access_log=None,
+                handle_signals=not args.fake_ignore_sigterm)
 
 
 if __name__ == "__main__":

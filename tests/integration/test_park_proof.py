@@ -135,3 +135,29 @@ def test_a_park_right_after_a_restart_wake_waits_for_its_proof(host):
     assert parked["state"] == "parked"
     record = parked["park_record"]
     assert record["proof"]["result"] == "passed", record  # finished before the park stopped the engine
+
+
+def test_an_engine_killed_at_the_end_of_its_stop_starts_again(host):
+    """An engine that ignores SIGTERM is killed after timeouts.stop (systemd's SIGKILL); its unit
+    ends failed (result "timeout"). The next start of the same unit must not inherit that: neither
+    a stop then a request, nor a park (by stopping, then armed) then a request."""
+    _deploy_fake_vllm(host, "timeouts: {stop: 2s}\nengine_args: [--fake-ignore-sigterm]\n")
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=60)
+    assert _ask(client)
+    began = time.monotonic()
+    host.cli("stop", "deployment", "fake")
+    assert time.monotonic() - began >= 2  # it took the kill
+    assert host.cli_json("status", "deployment", "fake")["state"] == "stopped"
+    assert _ask(client)
+    assert host.cli_json("status", "deployment", "fake")["state"] == "ready"
+    parked = host.cli_json("park", "deployment", "fake")
+    assert parked["state"] == "parked" and parked["armed"], parked
+    assert _ask(client)
+    assert host.cli_json("status", "deployment", "fake")["state"] == "ready"
+    # A new revision while it serves: the old unit is stopped (killed again), the new one started.
+    manifest = host.root / "m.yaml"
+    manifest.write_text(manifest.read_text().replace("--fake-ignore-sigterm]", "--fake-ignore-sigterm, --token-delay, '0']"))
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    status = host.cli_json("status", "deployment", "fake")
+    assert status["state"] == "ready" and status["revision"] == 2, status
+    assert _ask(client)
