@@ -407,7 +407,8 @@ class SystemdClient:
 
         The process is pinned with a pidfd and checked to be the unit's own gate shell (its cgroup
         and its $0) before the signal, so a reused pid is never signalled. A unit started a moment
-        ago may not have reached its gate yet: it gets ``settle`` seconds to.
+        ago may not have reached its gate yet: it gets ``settle`` seconds to. Only for the systemd
+        of this machine and pid namespace (the daemon's own host): the pid is looked up here.
         """
         state = await self.unit_state(name)
         if state is None or state.active_state != "active" or not state.main_pid or not state.control_group \
