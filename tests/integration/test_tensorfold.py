@@ -89,8 +89,9 @@ def test_tensorfold_serves_decides_and_parks(host):
         assert host.unit_property("capyctl-decider.service", "ActiveState") == "active"
         assert fake_stats(port)["state"] == "sleeping"
     else:
-        assert not parked["parked_in_place"]
-        assert host.unit_property("capyctl-decider.service", "ActiveState") != "active"
+        # Parked by stopping its engine; the next launch's unit waits at its gate, no engine in it.
+        assert not parked["parked_in_place"] and parked["armed"]
+        assert host.armed_at_gate("capyctl-decider.service"), host.unit_processes("capyctl-decider.service")
 
     answer = client.chat.completions.create(model="decider", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].message.content
