@@ -5,8 +5,9 @@ arguments CapyCTL's llama.cpp adapter uses) and send a request as soon as it acc
 same request, a 16-word prompt no cache has seen, as the one sent through CapyCTL); the figure
 is process start → first token. CapyCTL: a sandboxed host (systemd as PID 1,
 the daemon as capyctl.service, tests/integration/capyhost.py) with the same model deployed;
-park it (llama.cpp parks by stopping its unit), then request → first token; and the same
-from stopped (cold). Runs alternate so drift in the machine's load hits both alike.
+park it (llama.cpp parks by stopping its engine; the park arms the next launch's unit, so the
+wake only opens its gate), then request → first token; and the same from stopped (cold: the
+wake starts the unit, as an unarmed park's wake does). Runs alternate so drift in the machine's load hits both alike.
 Needs root (the sandbox). Prints medians and the ratios against the baseline.
 
 Run: .venv/bin/python benchmarks/wake_vs_manual.py [--runs 5] [--json FILE]
