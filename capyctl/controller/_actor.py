@@ -581,9 +581,11 @@ class DeploymentActor:
         self._laps = _Laps()
         try:
             await self._launch(_no_progress, gated=True)
-        except (CapyError, OSError) as exc:
-            log.info("deployment %s: the next launch was not armed at the park (%s); the wake will start it",
-                     self.name, exc)
+        except Exception as exc:  # arming is an optimisation: whatever failed, the park stands
+            expected = isinstance(exc, (CapyError, OSError))
+            log.log(logging.INFO if expected else logging.WARNING,
+                    "deployment %s: the next launch was not armed at the park (%s); the wake will start it",
+                    self.name, exc, exc_info=not expected)
             with contextlib.suppress(CapyError):
                 await self._stop_unit()
             return

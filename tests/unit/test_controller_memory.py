@@ -426,3 +426,15 @@ async def test_an_eviction_does_not_arm_but_an_idle_park_does(vllm_on_two_cards)
     actor._set("ready")
     await actor._do_park(evicting=True, idle=True)
     assert systemd.started[-1].gated and actor.describe()["armed"] is True
+
+
+async def test_a_failure_to_arm_leaves_the_park_standing(vllm_on_two_cards, monkeypatch):
+    """Arming is an optimisation: a launch that cannot be built at the park (here a bug's
+    ValueError) leaves the deployment parked, unarmed, and nothing of the armed unit behind."""
+    from capyctl.engines.vllm import VllmAdapter
+    ctl, systemd, contexts, model = vllm_on_two_cards
+    actor = await _ready_on_the_h100(ctl, model)
+    monkeypatch.setattr(VllmAdapter, "build_launch", lambda self, ctx: (_ for _ in ()).throw(ValueError("a bug")))
+    assert await actor._do_park() == "parked"
+    assert actor.describe()["armed"] is False and len(systemd.started) == 1
+    assert systemd.stopped[-1] == "capyctl-chat.service"
