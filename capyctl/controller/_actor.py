@@ -571,7 +571,7 @@ class DeploymentActor:
     def _can_arm(self) -> bool:
         # Local only: open_gate pins the gate shell by its pid, which a remote host's is not here.
         # A group's members are launched by _members.py, each of its own.
-        return not self.remote and self.spec.nodes == 1 and self.group is None and arm_parked_units()
+        return not self.remote and self.spec.nodes == 1 and arm_parked_units()
 
     async def _arm(self) -> None:
         """After a park by stopping: start the next launch's unit now, held at its gate, so the
@@ -957,9 +957,6 @@ class DeploymentActor:
         engine = self.controller.engine_for(self.spec)
         adapter = self.controller.adapter(self.spec)
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=self.model_path)
-        self._unit_exited.clear()
-        self._expect_exit = False
-        self._start_watch()
         if runtime.state == PARKED and unit_state.markers.get("gate") == "armed":
             # Armed at a park by the previous daemon, which alone knew what it was planned with:
             # stopped, so the next wake starts a launch planned here.
@@ -967,6 +964,9 @@ class DeploymentActor:
             self.parked_in_place = False
             self._set(PARKED, "adopted")
             return self.state
+        self._unit_exited.clear()
+        self._expect_exit = False
+        self._start_watch()
         if runtime.state == PARKED:
             self.parked_in_place = True
             self._set(PARKED, "adopted")

@@ -420,23 +420,25 @@ class SystemdClient:
             return False
         try:
             proc = Path(f"/proc/{state.main_pid}")
+            try:
+                cgroup = (proc / "cgroup").read_text()
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                return False
+            at_gate = len(argv) > 3 and argv[3] == GATE_NAME.encode() and argv[2] == GATE_SCRIPT.encode()
+            if not at_gate or not any(line.endswith(":" + state.control_group) for line in cgroup.splitlines()):
+                return False
             deadline = time.monotonic() + settle
-            while True:
+            while True:  # the gate shell from its exec (systemd's) until its kill -STOP
                 try:
-                    cgroup = (proc / "cgroup").read_text()
-                    argv = (proc / "cmdline").read_bytes().split(b"\0")
                     run_state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
                 except (OSError, IndexError):
-                    return False
-                at_gate = len(argv) > 3 and argv[3] == GATE_NAME.encode() and argv[2] == GATE_SCRIPT.encode()
-                if not at_gate or not any(line.endswith(":" + state.control_group)
-                                          for line in cgroup.splitlines()):
                     return False
                 if run_state == "T":
                     break
                 if run_state not in ("R", "S", "D") or time.monotonic() > deadline:
                     return False
-                await asyncio.sleep(0.002)  # between exec and its kill -STOP
+                await asyncio.sleep(0.002)
             signal_module.pidfd_send_signal(pidfd, signal_module.SIGCONT)
             return True
         except ProcessLookupError:
