@@ -203,6 +203,12 @@ def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
         rows.append(Row("one hop, the proxy's front off (aiohttp's server alone)",
                         f"{plain * 1e6:.0f} us" + (f"; proxy CPU {plain_cpu * 1e6:.0f} us/request" if plain_cpu else ""),
                         "(baseline)", "info"))
+    floor = hop["hop_s"].get("floor")
+    if floor is not None:  # benchmarks/_minimal_relay.py in the same run: Python without CapyCTL's work
+        floor_cpu = hop.get("cpu_per_request_s", {}).get("floor")
+        rows.append(Row("one hop, a minimal Python relay (no key, model, admission, metrics)",
+                        f"{floor * 1e6:.0f} us" + (f"; CPU {floor_cpu * 1e6:.0f} us/request" if floor_cpu else ""),
+                        "(floor)", "info"))
     return rows
 
 
@@ -268,7 +274,7 @@ def write_latency_chart(panels: dict[str, dict[str, list[float]]], path: Path) -
     except ImportError:
         return None
     colors = {"direct": "tab:gray", "nginx": "tab:green", "capyctl": "tab:blue", "litellm": "tab:red",
-              "capyctl-aiohttp": "tab:purple"}
+              "capyctl-aiohttp": "tab:purple", "floor": "tab:olive"}
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (title, series) in zip(axes[0], panels.items()):
         for name, values in series.items():

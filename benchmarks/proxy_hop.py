@@ -9,7 +9,10 @@ Three paths, alternated request by request in an order shuffled each turn (proxy
 - capyctl: client -> the CapyCTL proxy in its own process (benchmarks/_one_engine_proxy.py,
   key checked against a real SQLite store as the daemon does) -> engine;
 - capyctl-aiohttp: the same proxy with its front turned off (CAPYCTL_PROXY_FRONT=aiohttp), every
-  request through aiohttp's server: what the front saves, measured in the same run.
+  request through aiohttp's server: what the front saves, measured in the same run;
+- floor: benchmarks/_minimal_relay.py, the least a Python proxy on the same event loop and parser
+  can do (no key, no model read, no admission, no metrics): how much of CapyCTL's hop is its own
+  work rather than Python's.
 
 Prints median and p95 latency of each, the hop each proxy adds over direct, and the ratio of
 CapyCTL's hop to nginx's. ``--profile DIR`` records the proxy with py-spy while it runs and
@@ -135,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     nginx = find_nginx(args.nginx)
     prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-hop-"))
-    engine_port, nginx_port, proxy_port, plain_port = free_port(), free_port(), free_port(), free_port()
+    engine_port, nginx_port, proxy_port, plain_port, floor_port = (free_port() for _ in range(5))
     servers = {"engine": ENGINE_SERVER.format(engine_port=engine_port, answer=ANSWER),
                "proxy": PROXY_SERVER.format(engine_port=engine_port, port=nginx_port)}
     _, store_key = Store(prefix / "state.db").create_key("bench")  # the daemon's keys, in SQLite
@@ -151,11 +154,16 @@ def main() -> None:
                  "--port", str(port), "--store", str(prefix / "state.db")],
                 stdout=subprocess.DEVNULL, env={**os.environ, "CAPYCTL_PROXY_FRONT": front})
             processes.append(proxies[name])
+        proxies["floor"] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve().parent / "_minimal_relay.py"), "--upstream-port",
+             str(engine_port), "--launch-key", "launch", "--port", str(floor_port)], stdout=subprocess.DEVNULL)
+        processes.append(proxies["floor"])
         proxy = proxies["capyctl"]
         paths = {"direct": (f"http://127.0.0.1:{engine_port}", CLIENT_KEY),
                  "nginx": (f"http://127.0.0.1:{nginx_port}", CLIENT_KEY),
                  "capyctl": (f"http://127.0.0.1:{proxy_port}", store_key),
-                 "capyctl-aiohttp": (f"http://127.0.0.1:{plain_port}", store_key)}
+                 "capyctl-aiohttp": (f"http://127.0.0.1:{plain_port}", store_key),
+                 "floor": (f"http://127.0.0.1:{floor_port}", CLIENT_KEY)}
         cpu: dict[str, float] = {}
         latency = asyncio.run(measure(paths, args.requests, {n: p.pid for n, p in proxies.items()}, cpu))
         if args.profile:
@@ -195,6 +203,8 @@ def main() -> None:
                                          "n/a (nginx's hop was within the noise)"))
     print(f"CapyCTL proxy CPU per request: {cpu['capyctl'] * 1e6:.0f} us "
           f"(with its front off, aiohttp's server alone: {cpu['capyctl-aiohttp'] * 1e6:.0f} us)")
+    print(f"floor, a minimal Python relay (_minimal_relay.py): hop {hop['floor'] * 1e6:.0f} us, "
+          f"CPU {cpu['floor'] * 1e6:.0f} us/request")
     if args.json:
         args.json.write_text(json.dumps({"requests": args.requests, "median_s": med, "p95_s": tail,
                                          "hop_s": hop, "capyctl_per_request_s": cpu["capyctl"],

@@ -58,6 +58,11 @@ class OneEngineRouter:
     def models(self) -> list[ModelEntry]:
         return [ModelEntry(id="smol", deployment="smol", state="ready", engine="llama.cpp", created=0)]
 
+    def model_entry(self, model: str) -> ModelEntry | None:
+        # The daemon's Controller looks up the one entry asked for (Router.model_entry); without
+        # this the proxy built the whole list per request, which the daemon never does.
+        return self.models()[0] if model == "smol" else None
+
     @asynccontextmanager
     async def acquire(self, model: str) -> AsyncIterator[Upstream]:
         yield self.upstream

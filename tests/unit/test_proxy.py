@@ -295,6 +295,8 @@ async def test_body_errors(setup: Setup, http: aiohttp.ClientSession) -> None:
         (json.dumps({"messages": []}).encode(), 400, "missing_model"),
         (json.dumps({"model": 7}).encode(), 400, "missing_model"),
         (json.dumps({"model": "model-a", "pad": "x" * 5000}).encode(), 413, "request_too_large"),
+        # Nested past the standard library's recursion limit: its RecursionError was answered 500.
+        (b'{"model": "model-a", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "invalid_json"),
     ]
     for body, status, code in cases:
         async with http.post(url, headers={**auth(), "Content-Type": "application/json"}, data=body) as response:
@@ -342,6 +344,27 @@ async def test_non_streaming_body_passes_through_with_tool_calls(setup: Setup, h
     assert headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"  # the launch key, never the client's
     assert json.loads(sent) == {**request, "model": "engine-name-a"}  # only "model" rewritten
     assert setup.router.in_flight == 0 and setup.router.released == 1
+
+
+@pytest.mark.parametrize("orjson_installed", [True, False], ids=["orjson", "stdlib-json"])
+async def test_bodies_the_standard_library_reads_are_read_and_rewritten_exactly(
+        setup: Setup, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch, orjson_installed: bool) -> None:
+    # orjson refuses NaN, lone surrogates and UTF-16, and reads an integer past 64 bits as a float:
+    # the proxy reads what json.loads reads, and a body it rewrites keeps its numbers as written.
+    if not orjson_installed:
+        monkeypatch.setattr(proxy_app, "orjson", None)
+    raw = b'{"model": "model-a", "seed": 123456789012345678901234567890, "t": NaN, "u": "\\ud800"}'
+    async with http.post(setup.url + "/v1/chat/completions", headers={**auth(), "Content-Type": "application/json"},
+                         data=raw) as response:
+        assert response.status == 200
+    sent = json.loads(setup.fake.requests[-1][2])
+    assert sent["model"] == "engine-name-a" and sent["seed"] == 123456789012345678901234567890
+    assert sent["u"] == "\ud800" and sent["t"] != sent["t"]  # NaN
+    utf16 = json.dumps({"model": "model-b", "input": "hi"}).encode("utf-16")
+    async with http.post(setup.url + "/v1/embeddings", headers={**auth(), "Content-Type": "application/json"},
+                         data=utf16) as response:
+        assert response.status == 200
+    assert setup.fake.requests[-1][2] == utf16  # not rewritten: the bytes as sent
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings"])
