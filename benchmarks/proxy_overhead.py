@@ -27,7 +27,7 @@ import sys
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import aiohttp
 
@@ -67,8 +67,16 @@ class OneEngineRouter:
     async def acquire(self, model: str) -> AsyncIterator[Upstream]:
         yield self.upstream
 
+    def try_acquire(self, model: str) -> tuple[Upstream, Callable[[], None]]:
+        # The daemon's Controller admits a request to a ready deployment without waiting this way.
+        return self.upstream, _release_nothing
+
     def stats(self) -> dict[str, dict[str, float]]:
         return {}
+
+
+def _release_nothing() -> None:
+    pass
 
 
 def p95(values: list[float]) -> float:

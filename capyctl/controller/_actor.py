@@ -263,6 +263,14 @@ class DeploymentActor:
 
     # -- admission (called from request handlers; never changes state) ------------------------
 
+    def admit_now(self) -> bool:
+        """Admit one request at once if nothing stands in its way (ready, no command queued, its
+        hosts usable); False, with nothing marked, when it must go through ``admit``."""
+        if self.state == READY and self._commands.empty() and self.controller.placement_error(self) is None:
+            self._enter()
+            return True
+        return False
+
     async def admit(self) -> None:
         blocked = self.controller.placement_error(self)
         if blocked is not None:

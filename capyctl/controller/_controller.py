@@ -737,6 +737,13 @@ class Controller:
         return ModelEntry(id=ident, deployment=actor.name, state=actor.state, engine=actor.spec.engine,
                           created=int(actor.revision.created_at), capabilities=actor.capabilities)
 
+    def try_acquire(self, model: str) -> tuple[Upstream, Callable[[], None]] | None:
+        try:
+            actor = self._lookup(model)
+        except NotFound:
+            return None  # acquire() raises model_not_found
+        return (actor.upstream(), actor.release) if actor.admit_now() else None
+
     @asynccontextmanager
     async def acquire(self, model: str) -> AsyncIterator[Upstream]:
         actor = self._lookup(model)

@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, AsyncIterator, Mapping, Protocol
+from typing import IO, TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -570,6 +570,60 @@ def _route_not_served(target: Upstream | ModelEntry, model: str, route: str) -> 
                      detail={"routes": served})
 
 
+@dataclass(slots=True, frozen=True)
+class AdmittedAtOnce:
+    """A request admitted without waiting, ready to send (admit_at_once)."""
+
+    upstream: Upstream
+    release: Callable[[], None]  # once, when its answer is over
+    payload: bytes
+    headers: dict[str, str]
+
+
+def admit_at_once(exchange: Exchange, raw: bytes) -> AdmittedAtOnce | None:
+    """For the front's answers without a task: a JSON POST (its key checked here) that asks for no
+    stream and whose deployment the Router admits without waiting (Router.try_acquire). None
+    for anything else, an error included, with nothing admitted: answer_json answers it."""
+    try:
+        grant = authorize(exchange)
+        body, model = _parse_body(raw)
+        # A stream, and /v1/responses (its answer's id is remembered), go through answer_json.
+        if body.get("stream") or exchange.path == "/v1/responses":
+            return None
+        entry = _admit_model(exchange, grant, model)
+        lease = _admitted_at_once(exchange, model, JSON_ROUTES[exchange.path], exchange.path, entry)
+    except CapyError:
+        return None
+    if lease is None:
+        return None
+    upstream, release = lease
+    try:
+        payload = _payload_for(upstream, raw, model)
+    except CapyError:
+        release()
+        return None
+    return AdmittedAtOnce(upstream, release, payload, _upstream_headers(upstream))
+
+
+def _admitted_at_once(exchange: Exchange, model: str, needed: str, route: str,
+                      entry: ModelEntry | None) -> tuple[Upstream, Callable[[], None]] | None:
+    """What :func:`_admitted` does when the Router can admit without waiting (Router.try_acquire):
+    the Upstream and the call that releases it; None when the request must wait (or be refused)
+    in ``_admitted``."""
+    if entry is not None and entry.capabilities and needed not in entry.capabilities:
+        raise _route_not_served(entry, model, route)
+    try_acquire = getattr(exchange.state.router, "try_acquire", None)  # optional (Router)
+    lease = try_acquire(model) if try_acquire is not None else None
+    if lease is None:
+        return None
+    upstream, release = lease
+    exchange.deployment = upstream.deployment
+    if needed not in upstream.capabilities:
+        release()
+        raise _route_not_served(upstream, model, route)
+    return lease
+
+
 @contextlib.asynccontextmanager
 async def _admitted(exchange: Exchange, model: str, needed: str, route: str,
                     entry: ModelEntry | None) -> AsyncIterator[Upstream]:
@@ -606,10 +660,18 @@ async def answer_json(exchange: Exchange, grant: KeyGrant | None, raw: bytes) ->
     _, model = _parse_body(raw)
     entry = _admit_model(exchange, grant, model)
     path = exchange.path
+    if path == "/v1/responses":
+        exchange.responses_model = model  # its id is remembered from the answer (forward, _stream)
+    lease = _admitted_at_once(exchange, model, JSON_ROUTES[path], path, entry)
+    if lease is not None:  # ready and nothing queued: the common case
+        upstream, release = lease
+        try:
+            await forward(exchange, upstream, path, _payload_for(upstream, raw, model))
+        finally:
+            release()
+        return
     async with _admitted(exchange, model, JSON_ROUTES[path], path, entry) as upstream:
-        if path == "/v1/responses":
-            exchange.responses_model = model  # its id is remembered from the answer (_forward, _stream)
-        await _forward(exchange, upstream, path, _payload_for(upstream, raw, model))
+        await forward(exchange, upstream, path, _payload_for(upstream, raw, model))
 
 
 async def _form_route(request: web.Request) -> web.StreamResponse:
@@ -622,7 +684,7 @@ async def _form_route(request: web.Request) -> web.StreamResponse:
     async with _received_form(request) as form:
         entry = _admit_model(exchange, grant, form.model)
         async with _admitted(exchange, form.model, FORM_ROUTES[request.path], request.path, entry) as upstream:
-            await _forward(exchange, upstream, request.path, form.writer(upstream.served_model))
+            await forward(exchange, upstream, request.path, form.writer(upstream.served_model))
             return _answer_of(exchange)
 
 
@@ -641,7 +703,7 @@ async def _stored_response_route(request: web.Request) -> web.StreamResponse:
     entry = _admit_model(exchange, grant, model)
     async with _admitted(exchange, model, STORED_RESPONSE_CAPABILITIES[request.method],
                          f"{request.method} {STORED_RESPONSE_ROUTE}", entry) as upstream:  # wakes a parked owner
-        status = await _forward(exchange, upstream, path, b"", method=request.method)
+        status = await forward(exchange, upstream, path, b"", method=request.method)
     if request.method == "DELETE" and status < 300:
         responses.forget(response_id)
     return _answer_of(exchange)
@@ -661,7 +723,7 @@ async def _systemone_route(request: web.Request) -> web.StreamResponse:
         async with exchange.state.router.acquire(model) as upstream:
             exchange.deployment = upstream.deployment
             if "systemone" in upstream.capabilities:
-                await _forward(exchange, upstream, "/v1/systemone", _payload_for(upstream, raw, model))
+                await forward(exchange, upstream, "/v1/systemone", _payload_for(upstream, raw, model))
                 return _answer_of(exchange)
             if "decisions" in upstream.capabilities:  # TensorFold: the same questions, its own shape
                 _systemone.check_decidable(parsed)
@@ -700,7 +762,7 @@ def _verdict(upstream: Upstream) -> CapyError | None:
     return upstream.verdict() if upstream.verdict is not None else None
 
 
-def _unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
+def unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
     verdict = _verdict(upstream)
     if verdict is not None:  # the connection broke because CapyCTL stopped the engine: say why
         return verdict
@@ -761,19 +823,33 @@ async def _open_upstream(exchange: Exchange, upstream: Upstream, path: str,
                 method, upstream.base_url.rstrip("/") + path, data=payload if method == "POST" else None,
                 headers=headers, timeout=timeout))
     except _UPSTREAM_ERRORS as exc:
-        raise _unreachable(upstream, exc) from exc
-    if response.status in (401, 403):
-        # The per-launch key was refused: our fault, not the client's key.
+        raise unreachable(upstream, exc) from exc
+    if response.status in LAUNCH_KEY_REFUSED:
         response.close()
-        raise CapyError(f"The engine of '{upstream.deployment}' refused CapyCTL's launch key.",
-                        code="engine_auth_failed", status=502)
+        raise launch_key_refused(upstream)
     return response
 
 
-async def _forward(exchange: Exchange, upstream: Upstream, path: str,
+# An engine answering these refused the per-launch key: our fault, not the client's key.
+LAUNCH_KEY_REFUSED = (401, 403)
+
+
+def launch_key_refused(upstream: Upstream) -> CapyError:
+    return CapyError(f"The engine of '{upstream.deployment}' refused CapyCTL's launch key.",
+                     code="engine_auth_failed", status=502)
+
+
+async def forward(exchange: Exchange, upstream: Upstream, path: str,
                    payload: bytes | aiohttp.MultipartWriter, *, method: str = "POST") -> int:
     """Send the request on and the engine's answer back to ``exchange.reply``; the answer's status."""
-    upstream_response = await _open_upstream(exchange, upstream, path, payload, method=method)
+    return await forward_answer(exchange, upstream, await _open_upstream(exchange, upstream, path, payload,
+                                                                         method=method))
+
+
+async def forward_answer(exchange: Exchange, upstream: Upstream,
+                         upstream_response: EngineResponse | _AiohttpAnswer) -> int:
+    """The engine's answer, its head in (and not a refused launch key), back to ``exchange.reply``;
+    the answer's status."""
     try:
         if upstream_response.content_type == "text/event-stream":
             await _stream(exchange, upstream, upstream_response)
@@ -781,17 +857,21 @@ async def _forward(exchange: Exchange, upstream: Upstream, path: str,
         try:
             body = await upstream_response.read()
         except _UPSTREAM_ERRORS as exc:
-            raise _unreachable(upstream, exc) from exc
+            raise unreachable(upstream, exc) from exc
         if exchange.responses_model is not None and upstream_response.status == 200:
             _remember_response(exchange, body)
-        exchange.reply.whole(upstream_response.status,
-                             {"Content-Type": upstream_response.header("Content-Type", "application/json")},
-                             body)
+        reply_whole(exchange, upstream_response, body)
         return upstream_response.status
     finally:
         # On every way out (cancellation included) an unfinished upstream answer is closed,
         # not returned to the pool, so the engine sees the disconnect and stops generating.
         upstream_response.close()
+
+
+def reply_whole(exchange: Exchange, upstream_response: EngineResponse | _AiohttpAnswer, body: bytes) -> None:
+    """A whole (not streamed) answer of the engine, as the client gets it."""
+    exchange.reply.whole(upstream_response.status,
+                         {"Content-Type": upstream_response.header("Content-Type", "application/json")}, body)
 
 
 def _complete_events_end(buffer: bytes) -> int:
@@ -814,7 +894,7 @@ async def _stream(exchange: Exchange, upstream: Upstream, upstream_response: Eng
         try:
             chunk = await upstream_response.readany()
         except _UPSTREAM_ERRORS as exc:
-            error = _unreachable(upstream, exc)
+            error = unreachable(upstream, exc)
             exchange.outcome = error.status
             log.warning("proxy: stream from %s broke: %s", upstream.deployment, error)
             return await _finish(exchange, _sse_error(exchange, error))
@@ -900,7 +980,7 @@ async def _json_of(upstream: Upstream, upstream_response: EngineResponse | _Aioh
     try:
         return await upstream_response.json()
     except _UPSTREAM_ERRORS as exc:
-        raise _unreachable(upstream, exc) from exc
+        raise unreachable(upstream, exc) from exc
     except ValueError:
         return None
     finally:

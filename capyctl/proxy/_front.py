@@ -15,6 +15,13 @@ socket is served by :class:`FrontConnection`:
   connection, with every byte not yet answered, to aiohttp's RequestHandler, which keeps it
   from then on.
 
+An ordinary POST that asks for no stream, whose deployment the Router admits at once
+(Router.try_acquire) and whose engine has an idle kept-alive connection, is answered without a
+task: :class:`_Lane` sends it and the engine's answer, read in the connection's callbacks, is
+written back as it completes (``_LaneAnswer``). A task's steps, futures and coroutine layers were
+a quarter of the proxy's CPU per request (benchmarks/proxy_hop.py). Anything else on the way (an
+event stream after all, a connection the engine had closed) goes on in a task, by the same code.
+
 Both servers answer alike: the same error bodies, metrics, key check, cancellation of the
 engine request when the client goes away, keep-alive closing after 75 s idle (aiohttp's
 default), and graceful shutdown. ``CAPYCTL_PROXY_FRONT=aiohttp`` serves everything through
@@ -36,9 +43,28 @@ from typing import Any
 from aiohttp import web
 
 from ..errors import CapyError
-from ._app import CLIENT_CLOSED, GET_ROUTES, POOL, SESSION, STATE, Exchange, ProxyState, answer_json, authorize
+from ._app import (
+    CLIENT_CLOSED,
+    GET_ROUTES,
+    LAUNCH_KEY_REFUSED,
+    POOL,
+    SESSION,
+    STATE,
+    AdmittedAtOnce,
+    Exchange,
+    ProxyState,
+    admit_at_once,
+    answer_json,
+    authorize,
+    forward,
+    forward_answer,
+    launch_key_refused,
+    reply_whole,
+    unreachable,
+)
 from ._errors import error_parts
 from ._routes import JSON_ROUTES, is_anthropic
+from ._upstream import EngineConnectionError, EnginePool, EngineResponse, _Connection
 
 try:
     import httptools
@@ -166,6 +192,49 @@ def _date_line() -> bytes:
     return _date_cache[1]
 
 
+@dataclass(slots=True, eq=False)
+class _Lane:
+    """A request answered without a task (FrontConnection._try_lane), while its answer is under way."""
+
+    exchange: Exchange
+    admitted: AdmittedAtOnce
+    head: _Head
+    body: bytes
+    started: float
+    response: EngineResponse | None = None
+    head_checked: bool = False  # the answer's status and type were looked at
+    done: asyncio.Future[None] | None = None  # made when a shutdown waits for it
+
+
+class _LaneAnswer(EngineResponse):
+    """The engine's answer to a lane's request: each event it gets (head, end, failure) is passed to
+    the front connection, which answers from its callbacks; until it is handed to a task, when
+    it is an EngineResponse like any other."""
+
+    def __init__(self, pool: EnginePool, connection: _Connection, loop: asyncio.AbstractEventLoop,
+                 lane_of: FrontConnection) -> None:
+        super().__init__(pool, connection, loop)
+        self.lane_of: FrontConnection | None = lane_of
+
+    def _body(self, data: bytes) -> None:
+        if self.lane_of is None:
+            super()._body(data)
+            return
+        # Read whole, as a task's read() does: the socket is not paused for a reader that never comes.
+        self._chunks.append(data)
+        self._buffered += len(data)
+
+    def _wake_headers(self) -> None:
+        super()._wake_headers()
+        if self.lane_of is not None:
+            self.lane_of._lane_event(self)
+
+    def _wake_reader(self) -> None:
+        super()._wake_reader()
+        if self.lane_of is not None:
+            self.lane_of._lane_event(self)
+
+
 class FrontConnection(asyncio.Protocol):
     """One client connection: its ordinary requests answered here, one at a time, in order; the
     connection given to aiohttp at the first other one. Also the Reply of the request it answers."""
@@ -175,7 +244,8 @@ class FrontConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._head: _Head | None = None  # read, its body not all here yet
-        self._task: asyncio.Task[None] | None = None  # the request being answered
+        self._task: asyncio.Task[None] | None = None  # the request being answered (in a task)
+        self._lane: _Lane | None = None  # ... or without one (and then maybe in a task too)
         self._lost = False
         self._handed_off = False
         self._reading_paused = False
@@ -196,9 +266,14 @@ class FrontConnection(asyncio.Protocol):
         self._last_active = self._front.loop.time()
         self._idle_timer = self._front.loop.call_at(self._last_active + KEEPALIVE_S, self._check_idle)
 
+    @property
+    def busy(self) -> bool:
+        """A request is being answered."""
+        return self._task is not None or self._lane is not None
+
     def data_received(self, data: bytes) -> None:
         self._buffer += data
-        if self._task is None:
+        if not self.busy:
             self._advance()
         elif len(self._buffer) > AHEAD_MAX and not self._reading_paused:
             assert self._transport is not None
@@ -212,6 +287,8 @@ class FrontConnection(asyncio.Protocol):
             self._idle_timer.cancel()
         if self._task is not None:
             self._task.cancel()  # as aiohttp's handler_cancellation: the engine request is closed
+        elif self._lane is not None:
+            self._lane_abort()
         self._wake_writer()
 
     def pause_writing(self) -> None:
@@ -245,18 +322,41 @@ class FrontConnection(asyncio.Protocol):
         body = bytes(buffer[head.size:total])
         del buffer[:total]
         self._head = None
+        if head.method == "POST" and self._front.pool is not None and self._try_lane(head, body):
+            return
         self._task = self._front.loop.create_task(self._answer(head, body))
+
+    def _begin(self, head: _Head) -> None:
+        self._status, self._head_sent, self._close_after, self._stream_head = 500, False, head.close, b""
+
+    def _record(self, exchange: Exchange, head: _Head, started: float) -> None:
+        self._front.state.metrics.record(deployment=exchange.deployment, route=head.path,
+                                         status=self._status if exchange.outcome is None else exchange.outcome,
+                                         seconds=time.monotonic() - started)
 
     async def _answer(self, head: _Head, body: bytes) -> None:
         front = self._front
         started = time.monotonic()
-        self._status, self._head_sent, self._close_after, self._stream_head = 500, False, head.close, b""
+        self._begin(head)
         exchange = Exchange(front.state, front.pool, front.session, head.path, head.headers, self)
         try:
-            if head.method == "POST":
-                await answer_json(exchange, authorize(exchange), body)
-            else:
-                await GET_ROUTES[head.path](exchange)
+            await self._answering(exchange, head, self._route(exchange, head, body))
+        finally:
+            self._record(exchange, head, started)
+            self._task = None
+        self._next_request()
+
+    @staticmethod
+    async def _route(exchange: Exchange, head: _Head, body: bytes) -> None:
+        if head.method == "POST":
+            await answer_json(exchange, authorize(exchange), body)
+        else:
+            await GET_ROUTES[head.path](exchange)
+
+    async def _answering(self, exchange: Exchange, head: _Head, work: Any) -> None:
+        """Await ``work``, the writing of an answer; what it raises is answered as the client should see it."""
+        try:
+            await work
         except CapyError as err:
             self._answer_error(exchange, err)
         except (asyncio.CancelledError, ConnectionError):
@@ -266,12 +366,134 @@ class FrontConnection(asyncio.Protocol):
         except Exception:
             log.exception("proxy: unexpected error on %s %s", head.method, head.path)
             self._answer_error(exchange, CapyError("The proxy failed to handle this request.", status=500))
+
+    # ------------------------------------------------------------ requests without a task
+
+    def _try_lane(self, head: _Head, body: bytes) -> bool:
+        """Answer ``head``'s request without a task if the Router admits it at once: sent now on
+        an idle connection to its engine, the answer to come in callbacks (or, with no idle
+        connection, connected and sent by a task, the admission kept). False, with nothing
+        admitted, when it needs answer_json."""
+        front = self._front
+        started = time.monotonic()
+        exchange = Exchange(front.state, front.pool, front.session, head.path, head.headers, self)
+        admitted = admit_at_once(exchange, body)
+        if admitted is None:
+            return False
+        self._begin(head)
+        lane = self._lane = _Lane(exchange, admitted, head, body, started)
+        upstream = admitted.upstream
+        try:
+            lane.response = front.pool.send_now("POST", upstream.base_url, head.path, admitted.payload,
+                                                admitted.headers, self._lane_answer,
+                                                timeout=front.state.request_timeout)
+        except Exception:  # (not expected: a pooled connection's URL was good before) the task's way says why
+            log.debug("proxy: sending without a task failed", exc_info=True)
+        if lane.response is None:
+            self._lane_in_task(forward(exchange, upstream, head.path, admitted.payload))
+        return True
+
+    def _lane_answer(self, pool: EnginePool, connection: _Connection, loop: asyncio.AbstractEventLoop) -> _LaneAnswer:
+        return _LaneAnswer(pool, connection, loop, self)
+
+    def _lane_event(self, response: EngineResponse) -> None:
+        """The lane's answer got its head, its end, or failed."""
+        lane = self._lane
+        if lane is None or lane.response is not response or self._task is not None:
+            return
+        error = response._error
+        if error is not None:
+            if not response._headers_done and isinstance(error, EngineConnectionError):
+                # The engine had closed the kept-alive connection as we wrote: never read. The
+                # task's way sends it once more, on a new connection (EnginePool.request).
+                self._lane_again()
+            else:
+                self._lane_fails(unreachable(lane.admitted.upstream, error))
+            return
+        if not response._headers_done:
+            return
+        if not lane.head_checked:
+            lane.head_checked = True
+            if response.status in LAUNCH_KEY_REFUSED:
+                self._lane_fails(launch_key_refused(lane.admitted.upstream))
+                return
+            if response.content_type == "text/event-stream":  # a stream though none was asked for
+                self._lane_to_task()
+                return
+        if response._complete:
+            assert isinstance(response, _LaneAnswer)
+            response.lane_of = None
+            body = b"".join(response._chunks)
+            response._chunks.clear()
+            try:
+                reply_whole(lane.exchange, response, body)
+            except ConnectionError:
+                self._status = CLIENT_CLOSED
+            response.close()  # whole: its connection goes back to the pool
+            self._lane_done()
+
+    def _lane_fails(self, error: CapyError) -> None:
+        lane = self._lane
+        assert lane is not None and lane.response is not None
+        lane.response.close()
+        self._answer_error(lane.exchange, error)
+        self._lane_done()
+
+    def _lane_again(self) -> None:
+        lane = self._lane
+        assert lane is not None and lane.response is not None
+        lane.response.close()
+        lane.response = None
+        self._lane_in_task(forward(lane.exchange, lane.admitted.upstream, lane.head.path, lane.admitted.payload))
+
+    def _lane_to_task(self) -> None:
+        lane = self._lane
+        assert lane is not None and isinstance(lane.response, _LaneAnswer)
+        lane.response.lane_of = None  # an EngineResponse like any other from now on
+        self._lane_in_task(forward_answer(lane.exchange, lane.admitted.upstream, lane.response))
+
+    def _lane_in_task(self, work: Any) -> None:
+        """The lane's request goes on in a task (``work``: the rest of its answer), admission kept."""
+        self._task = self._front.loop.create_task(self._lane_rest(work))
+
+    async def _lane_rest(self, work: Any) -> None:
+        lane = self._lane
+        assert lane is not None
+        try:
+            await self._answering(lane.exchange, lane.head, work)
         finally:
-            front.state.metrics.record(deployment=exchange.deployment, route=head.path,
-                                       status=self._status if exchange.outcome is None else exchange.outcome,
-                                       seconds=time.monotonic() - started)
             self._task = None
+            self._lane_done()
+
+    def _lane_abort(self) -> None:
+        """The client went away: the engine's request is closed (it stops generating)."""
+        lane = self._lane
+        assert lane is not None and lane.response is not None
+        lane.response.close()
+        self._status = CLIENT_CLOSED
+        self._lane_done()
+
+    def _lane_done(self) -> None:
+        lane, self._lane = self._lane, None
+        if lane is None:
+            return
+        lane.admitted.release()
+        self._record(lane.exchange, lane.head, lane.started)
+        self._release_waiter(lane)
         self._next_request()
+
+    @staticmethod
+    def _release_waiter(lane: _Lane) -> None:
+        if lane.done is not None and not lane.done.done():
+            lane.done.set_result(None)
+
+    def _lane_waiter(self) -> asyncio.Future[None]:
+        """A future done when the lane's request is answered (for a shutdown to wait on)."""
+        lane = self._lane
+        assert lane is not None
+        if lane.done is None:
+            lane.done = self._front.loop.create_future()
+        return lane.done
 
     def _next_request(self) -> None:
         if self._lost:
@@ -302,7 +524,7 @@ class FrontConnection(asyncio.Protocol):
     def _hand_off(self) -> None:
         """Give the connection, and what it sent that was not answered, to aiohttp's server."""
         transport = self._transport
-        assert transport is not None and self._task is None
+        assert transport is not None and not self.busy
         self._handed_off = True
         self._front.connections.discard(self)
         if self._idle_timer is not None:
@@ -323,7 +545,7 @@ class FrontConnection(asyncio.Protocol):
             return
         now = self._front.loop.time()
         deadline = self._last_active + KEEPALIVE_S
-        if self._task is None and now >= deadline:
+        if not self.busy and now >= deadline:
             assert self._transport is not None
             self._transport.close()
             return
@@ -331,7 +553,7 @@ class FrontConnection(asyncio.Protocol):
 
     def close_when_idle(self) -> None:
         """Shutting down: close now if no request is being answered, else after its answer."""
-        if self._task is None and self._transport is not None:
+        if not self.busy and self._transport is not None:
             self._transport.close()
         self._close_after = True
 
@@ -435,10 +657,14 @@ class FrontSite(web.BaseSite):
         front.closing = True
         for connection in list(front.connections):
             connection.close_when_idle()
-        busy = [c._task for c in front.connections if c._task is not None]
+        busy = {c._task if c._task is not None else c._lane_waiter(): c for c in front.connections if c.busy}
         if busy:
             _, pending = await asyncio.wait(busy, timeout=self._shutdown_timeout)
-            for task in pending:
-                task.cancel()
+            for waiter in pending:
+                connection = busy[waiter]
+                if connection._task is not None:
+                    connection._task.cancel()
+                elif connection._lane is not None:
+                    connection._lane_abort()
             if pending:
                 await asyncio.wait(pending)

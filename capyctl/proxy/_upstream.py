@@ -33,7 +33,7 @@ import functools
 import json
 import time
 import urllib.parse
-from typing import Any
+from typing import Any, Callable
 
 try:
     import httptools
@@ -280,11 +280,7 @@ class EnginePool:
                       unix_socket: str | None = None, timeout: float | None = None) -> EngineResponse:
         """Send one request and wait for the answer's status and headers."""
         authority, base_path, host, port = _split(base_url)
-        head = [f"{method} {base_path}{path} HTTP/1.1\r\nHost: {authority}\r\n"
-                f"Content-Length: {len(body)}\r\n"]
-        head += [f"{name}: {value}\r\n" for name, value in headers.items()]
-        head.append("\r\n")
-        message = "".join(head).encode("latin-1") + body
+        message = _message(method, authority, base_path + path, body, headers)
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             connection, reused = self._idle_connection(base_url)
@@ -308,6 +304,26 @@ class EnginePool:
                 raise response._error
             # A pooled connection the engine had closed: it never read the request. Once more, afresh.
         raise AssertionError("unreachable")
+
+    def send_now(self, method: str, base_url: str, path: str, body: bytes, headers: dict[str, str],
+                 answer: Callable[[EnginePool, _Connection, asyncio.AbstractEventLoop], EngineResponse], *,
+                 timeout: float | None = None) -> EngineResponse | None:
+        """Send one request on an idle kept-alive connection, without waiting: the answer made by
+        ``answer`` (an EngineResponse, or a subclass that acts on its events as they come); None,
+        with nothing sent, when no idle connection to ``base_url`` is at hand. The caller then
+        uses :meth:`request`, and does the same when the answer fails before its status line on
+        this reused connection (the engine closed it as we wrote: :meth:`request` sends once more)."""
+        connection, _ = self._idle_connection(base_url)
+        if connection is None:
+            return None
+        authority, base_path, _, _ = _split(base_url)
+        response = answer(self, connection, asyncio.get_running_loop())
+        connection.start(response)
+        if timeout is not None:
+            response._set_deadline(timeout)
+        assert connection.transport is not None
+        connection.transport.write(_message(method, authority, base_path + path, body, headers))
+        return response
 
     def close(self) -> None:
         self._closed = True
@@ -359,6 +375,14 @@ class EnginePool:
 def make_engine_pool(*, connect_timeout: float) -> EnginePool | None:
     """The proxy's client to engines; None where httptools is not installed."""
     return EnginePool(connect_timeout=connect_timeout) if httptools is not None else None
+
+
+def _message(method: str, authority: str, target: str, body: bytes, headers: dict[str, str]) -> bytes:
+    """One request's bytes: head and body, written in one go."""
+    head = [f"{method} {target} HTTP/1.1\r\nHost: {authority}\r\nContent-Length: {len(body)}\r\n"]
+    head += [f"{name}: {value}\r\n" for name, value in headers.items()]
+    head.append("\r\n")
+    return "".join(head).encode("latin-1") + body
 
 
 @functools.lru_cache(maxsize=4096)

@@ -77,6 +77,45 @@ async def test_offline_host_errors_name_the_host(controller: Controller) -> None
     assert err.value.code == "host_not_found"
 
 
+async def test_try_acquire_admits_at_once_only_what_acquire_would_admit_without_waiting(
+        controller: Controller) -> None:
+    # The proxy's common case (Router.try_acquire): a ready deployment with nothing queued and its
+    # hosts usable is admitted at once; anything else answers None, marks nothing, and is left to
+    # acquire(), which waits, wakes or refuses.
+    from capyctl.controller import DeploymentActor
+    from capyctl.controller._actor import READY
+    controller.hosts.entries["b"] = HostEntry("b", "ssh", state=ONLINE)
+    spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"],
+                          aliases=["m-alias"])
+    actor = controller.actors["m"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
+    assert controller.try_acquire("m") is None and actor.in_flight == 0  # stopped: acquire() wakes it
+    assert controller.try_acquire("nowhere") is None  # acquire() answers model_not_found
+    actor.state, actor.port, actor.key = READY, 40123, "launch-key"
+    lease = controller.try_acquire("m-alias")
+    assert lease is not None and actor.in_flight == 1 and actor.busy
+    upstream, release = lease
+    assert (upstream.deployment, upstream.base_url, upstream.api_key) == ("m", "http://127.0.0.1:40123", "launch-key")
+    release()
+    assert actor.in_flight == 0 and not actor.busy
+    actor._commands.put_nowait(object())  # a park queued: the deployment is about to change
+    assert controller.try_acquire("m") is None and actor.in_flight == 0
+    actor._commands.get_nowait()
+    # Placement only refuses a deployment not running yet (a cordon, a pinned host offline): one
+    # that serves is admitted by both ways alike.
+    controller.hosts.entries["b"].state = OFFLINE
+    assert controller.placement_error(actor) is None
+    await actor.admit()
+    lease = controller.try_acquire("m")
+    assert lease is not None and actor.in_flight == 2
+    lease[1]()
+    actor.release()
+    actor.state = "stopped"
+    assert controller.try_acquire("m") is None and actor.in_flight == 0
+    with pytest.raises(CapyError) as err:
+        await actor.admit()
+    assert err.value.code == "host_offline"
+
+
 async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(controller: Controller) -> None:
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=OFFLINE, reason="unreachable")
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"])

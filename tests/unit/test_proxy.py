@@ -13,7 +13,7 @@ import re
 import socket
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import aiohttp
 import openai
@@ -121,6 +121,7 @@ class FakeRouter:
         self.waiting = 0
         self.in_flight = 0
         self.released = 0
+        self.at_once = True  # try_acquire answers (as the Controller's does); False: acquire() alone
 
     def models(self) -> list[ModelEntry]:
         return [ModelEntry(id=name, deployment=up.deployment, state="ready", engine=up.engine, created=1700000000)
@@ -145,6 +146,23 @@ class FakeRouter:
         finally:
             self.in_flight -= 1
             self.released += 1
+
+    def try_acquire(self, model: str) -> tuple[Upstream, Callable[[], None]] | None:
+        # As the Controller's: at once when ready with nothing in the way (no wake, no error), else
+        # None and the proxy goes through acquire(). Off (at_once False): acquire() only.
+        if not self.at_once or self.gate is not None or model in self.errors or model not in self.upstreams:
+            return None
+        self.acquire_calls += 1
+        self.in_flight += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            assert not released, "released twice"
+            released = True
+            self.in_flight -= 1
+            self.released += 1
+        return self.upstreams[model], release
 
     def stats(self) -> dict[str, dict[str, float]]:
         return {up.deployment: {"queue_depth": self.waiting, "in_flight": self.in_flight, "wakes": 2, "parks": 1}
@@ -432,6 +450,26 @@ async def test_client_disconnect_mid_stream_stops_upstream_and_releases(
     response.close()  # the client goes away
     await eventually(setup.fake.stream_stopped.is_set, "the engine's stream stopped")
     await eventually(lambda: setup.router.in_flight == 0 and setup.router.released == 1, "admission released")
+
+
+@pytest.mark.parametrize("at_once", [True, False], ids=["admitted-at-once", "admitted-by-acquire"])
+async def test_admission_is_released_once_whichever_way_it_was_given(
+        setup: Setup, http: aiohttp.ClientSession, at_once: bool) -> None:
+    # Router.try_acquire (ready, nothing queued) and acquire() (a wake, a queue) lead to the same answers.
+    setup.router.at_once = at_once
+    setup.fake.release_second_chunk.set()  # the stream ends at once
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json={"model": "model-a"}) as response:
+        assert response.status == 200
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(),
+                         json={"model": "model-a", "stream": True}) as response:
+        assert response.status == 200 and b"[DONE]" in await response.read()
+    # An engine that lacks the route, learned only once admitted (its entry said nothing yet).
+    async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json={"model": "model-native"}) as response:
+        assert response.status == 404
+        assert (await error_of(response))["code"] == "route_not_served"
+    # Every admission given was released once (the front's lane, refused after its admission,
+    # leaves the answer to the task's way, which is admitted again).
+    assert setup.router.in_flight == 0 and setup.router.released == setup.router.acquire_calls >= 3
 
 
 async def test_client_disconnect_while_queued_leaves_the_queue(setup: Setup, http: aiohttp.ClientSession) -> None:

@@ -49,7 +49,20 @@ async def proxy() -> AsyncIterator[Proxy]:
         said = body["messages"][0]["content"]
         if said == "wait":
             await asyncio.wait_for(release.wait(), HANG_GUARD)
-        if not body.get("stream"):
+        if said == "refuse":  # the launch key refused
+            return web.json_response({"error": "bad key"}, status=401)
+        if said == "vanish":  # the engine closes the connection without a byte of answer
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        if said == "die":  # ... or halfway through its answer's body
+            response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "100"})
+            await response.prepare(request)
+            await response.write(b'{"object": ')
+            assert request.transport is not None
+            request.transport.abort()
+            return response
+        if not body.get("stream") and said != "sse":  # "sse": a stream though none was asked for
             return web.json_response({"object": "chat.completion", "echo": said})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -325,3 +338,116 @@ async def test_an_answer_for_a_connection_already_closing_counts_as_client_close
     metrics = proxy.runner.app[_front.STATE].metrics.render({}).decode()
     assert 'status="499"' in metrics and 'route="/v1/chat/completions"' in metrics, metrics
     writer.close()  # (the real transport stays open here: only the wrapper says it is closing)
+
+
+# ---------------------------------------------------------------- answered without a task (the lane)
+
+async def _warm(proxy: Proxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose first request left an idle kept-alive connection to the engine."""
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("warm"))
+    assert (await read_answer(reader)).status == 200
+    return reader, writer
+
+
+def _front_of(proxy: Proxy) -> _front._Front:
+    front = next(site for site in proxy.runner.sites if isinstance(site, _front.FrontSite))._front
+    assert front is not None
+    return front
+
+
+async def test_a_request_to_a_ready_engine_is_answered_without_a_task(
+        proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    reader, writer = await _warm(proxy)
+
+    async def no_task(*_: object) -> None:
+        raise AssertionError("answered in a task")
+    monkeypatch.setattr(_front.FrontConnection, "_answer", no_task)
+    writer.write(chat_request("one") + chat_request("two"))  # pipelined: in order, each without a task
+    for said in ("one", "two"):
+        answer = await read_answer(reader)
+        assert answer.status == 200 and json.loads(answer.body)["echo"] == said and not answer.by_aiohttp
+    assert proxy.runner.app[_front.STATE].router.in_flight == 0
+    writer.close()
+
+
+@pytest.mark.parametrize(("said", "status", "code"), [
+    ("refuse", 502, "engine_auth_failed"),
+    ("die", 502, "engine_unreachable"),
+])
+async def test_an_engine_failing_a_request_sent_without_a_task_is_answered_as_in_one(
+        proxy: Proxy, said: str, status: int, code: str) -> None:
+    reader, writer = await _warm(proxy)
+    writer.write(chat_request(said))
+    answer = await read_answer(reader)
+    assert (answer.status, json.loads(answer.body)["error"]["code"]) == (status, code)
+    writer.write(chat_request("after"))  # the connection goes on
+    assert json.loads((await read_answer(reader)).body)["echo"] == "after"
+    assert proxy.runner.app[_front.STATE].router.in_flight == 0
+    writer.close()
+
+
+async def test_a_kept_alive_engine_connection_closed_before_answering_is_sent_once_more(proxy: Proxy) -> None:
+    # As EnginePool.request does: on a reused connection closed without a byte of answer the request
+    # was never read; it is sent once more on a new connection (here the engine closes that one too).
+    reader, writer = await _warm(proxy)
+    writer.write(chat_request("vanish"))
+    answer = await read_answer(reader)
+    assert (answer.status, json.loads(answer.body)["error"]["code"]) == (502, "engine_unreachable")
+    assert [body["messages"][0]["content"] for body in proxy.engine_saw].count("vanish") == 2
+    assert proxy.runner.app[_front.STATE].router.in_flight == 0
+    writer.close()
+
+
+async def test_an_event_stream_answer_to_a_request_without_stream_is_relayed_as_a_stream(proxy: Proxy) -> None:
+    reader, writer = await _warm(proxy)
+    writer.write(chat_request("sse"))
+    answer = await read_answer(reader)
+    assert answer.status == 200 and answer.headers["content-type"] == "text/event-stream"
+    assert answer.body.endswith(b"data: [DONE]\n\n")
+    writer.write(chat_request("after"))
+    assert json.loads((await read_answer(reader)).body)["echo"] == "after"
+    writer.close()
+
+
+async def test_a_client_that_leaves_before_its_answer_without_a_task_releases_and_counts_499(proxy: Proxy) -> None:
+    reader, writer = await _warm(proxy)
+    front = _front_of(proxy)
+    writer.write(chat_request("wait"))
+
+    async def in_lane() -> None:
+        while not any(c._lane is not None and c._task is None for c in front.connections):
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(in_lane(), HANG_GUARD)
+    router = proxy.runner.app[_front.STATE].router
+    assert router.in_flight == 1
+    writer.close()
+
+    async def released() -> None:
+        while router.in_flight:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(released(), HANG_GUARD)  # without the engine answering
+    assert not proxy.release.is_set()
+    metrics = proxy.runner.app[_front.STATE].metrics.render({}).decode()
+    assert 'status="499"' in metrics, metrics
+
+
+async def test_shutdown_waits_for_an_answer_under_way_without_a_task(proxy: Proxy) -> None:
+    reader, writer = await _warm(proxy)
+    writer.write(chat_request("wait"))
+    front = _front_of(proxy)
+
+    async def in_lane() -> None:
+        while not any(c._lane is not None for c in front.connections):
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(in_lane(), HANG_GUARD)
+    cleanup = asyncio.create_task(proxy.runner.cleanup())
+    await asyncio.sleep(0.1)
+    assert not cleanup.done()
+    proxy.release.set()
+    answer = await read_answer(reader)
+    assert answer.status == 200 and answer.headers.get("connection") == "close"
+    assert json.loads(answer.body)["echo"] == "wait"
+    await asyncio.wait_for(cleanup, HANG_GUARD)
+    assert await closed(reader)
+    writer.close()
