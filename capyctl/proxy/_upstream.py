@@ -321,8 +321,12 @@ class EnginePool:
         connection.start(response)
         if timeout is not None:
             response._set_deadline(timeout)
-        assert connection.transport is not None
-        connection.transport.write(_message(method, authority, base_path + path, body, headers))
+        try:
+            assert connection.transport is not None
+            connection.transport.write(_message(method, authority, base_path + path, body, headers))
+        except Exception:  # (a transport closed under us) not sent: the caller's request() sends it
+            response._release()
+            return None
         return response
 
     def close(self) -> None:

@@ -451,3 +451,31 @@ async def test_shutdown_waits_for_an_answer_under_way_without_a_task(proxy: Prox
     await asyncio.wait_for(cleanup, HANG_GUARD)
     assert await closed(reader)
     writer.close()
+
+
+async def test_a_client_gone_before_its_engine_connection_opens_gives_its_admission_back(
+        proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Admitted at once, but no idle engine connection yet: a task connects, with the admission kept.
+    # When the client's close comes with its request, that task is cancelled before its first step
+    # (none of its code runs): the admission is still given back, and the engine is never asked.
+    taken = []
+    lane = _front.FrontConnection._try_lane
+
+    def lane_then_gone(self: _front.FrontConnection, head: object, body: bytes) -> bool:
+        answered = lane(self, head, body)  # type: ignore[arg-type]
+        if answered and self._task is not None:
+            taken.append(self._task)
+            self.connection_lost(None)  # as uvloop calls it when the close is read in the same batch
+        return answered
+    monkeypatch.setattr(_front.FrontConnection, "_try_lane", lane_then_gone)
+    reader, writer = await proxy.connect()
+    writer.write(chat_request("never"))
+    router = proxy.runner.app[_front.STATE].router
+
+    async def released() -> None:
+        while not taken or router.in_flight or router.released < router.acquire_calls:
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(released(), HANG_GUARD)
+    assert taken[0].cancelled() and router.acquire_calls == 1
+    assert proxy.engine_saw == []
+    writer.close()
