@@ -581,14 +581,13 @@ class AdmittedAtOnce:
 
 
 def admit_at_once(exchange: Exchange, raw: bytes) -> AdmittedAtOnce | None:
-    """For the front's answers without a task: a JSON POST (its key checked here) that asks for no
-    stream and whose deployment the Router admits without waiting (Router.try_acquire). None
-    for anything else, an error included, with nothing admitted: answer_json answers it."""
+    """For the front's requests sent without a task: a JSON POST (its key checked here) whose
+    deployment the Router admits without waiting (Router.try_acquire). None for anything else,
+    an error included, with nothing admitted: answer_json answers it."""
     try:
         grant = authorize(exchange)
         body, model = _parse_body(raw)
-        # A stream, and /v1/responses (its answer's id is remembered), go through answer_json.
-        if body.get("stream") or exchange.path == "/v1/responses":
+        if exchange.path == "/v1/responses":  # (its answer's id is remembered: answer_json's way)
             return None
         entry = _admit_model(exchange, grant, model)
         lease = _admitted_at_once(exchange, model, JSON_ROUTES[exchange.path], exchange.path, entry)

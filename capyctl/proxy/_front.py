@@ -15,12 +15,12 @@ socket is served by :class:`FrontConnection`:
   connection, with every byte not yet answered, to aiohttp's RequestHandler, which keeps it
   from then on.
 
-An ordinary POST that asks for no stream, whose deployment the Router admits at once
-(Router.try_acquire) and whose engine has an idle kept-alive connection, is answered without a
-task: :class:`_Lane` sends it and the engine's answer, read in the connection's callbacks, is
-written back as it completes (``_LaneAnswer``): a tenth less CPU per request than in a task
-(benchmarks/proxy_hop.py, 205 against 186 µs). Anything else on the way (no idle connection,
-one the engine had closed, an event stream after all) goes on in a task, by the same code.
+An ordinary POST whose deployment the Router admits at once (Router.try_acquire) and whose
+engine has an idle kept-alive connection is sent on at once, without a task (:class:`_Lane`),
+and a whole answer is written back from the engine connection's callbacks as it completes
+(``_LaneAnswer``): a tenth less CPU per request than in a task (benchmarks/proxy_hop.py, 205
+against 186 µs). An event stream is relayed by a task from its head on (``_stream``'s whole-event
+rules); no idle connection, or one the engine had closed, also goes on in a task, by the same code.
 
 Both servers answer alike: the same error bodies, metrics, key check, cancellation of the
 engine request when the client goes away, keep-alive closing after 75 s idle (aiohttp's
@@ -418,7 +418,7 @@ class FrontConnection(asyncio.Protocol):
             if response.status in LAUNCH_KEY_REFUSED:
                 self._lane_fails(launch_key_refused(lane.admitted.upstream))
                 return
-            if response.content_type == "text/event-stream":  # a stream though none was asked for
+            if response.content_type == "text/event-stream":  # relayed event by event, by _stream
                 self._lane_to_task()
                 return
         if response._complete:

@@ -278,8 +278,10 @@ async def test_shutdown_lets_a_stream_in_flight_finish_and_closes_idle_connectio
     idle_writer.close()
 
 
-async def test_a_client_that_leaves_mid_stream_cancels_the_engine_request(proxy: Proxy) -> None:
-    reader, writer = await proxy.connect()
+@pytest.mark.parametrize("warm", [False, True], ids=["engine-connection-new", "engine-connection-kept-alive"])
+async def test_a_client_that_leaves_mid_stream_cancels_the_engine_request(proxy: Proxy, warm: bool) -> None:
+    # (kept alive: the request is sent without a task, the stream relayed by one from its head on)
+    reader, writer = await (_warm(proxy) if warm else proxy.connect())
     writer.write(chat_request("slow", stream=True))
     await asyncio.wait_for(reader.readuntil(b"\n\n"), HANG_GUARD)
     router = proxy.runner.app[_front.STATE].router
@@ -399,9 +401,10 @@ async def test_a_kept_alive_engine_connection_closed_before_answering_is_sent_on
     writer.close()
 
 
-async def test_an_event_stream_answer_to_a_request_without_stream_is_relayed_as_a_stream(proxy: Proxy) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["stream-asked", "stream-not-asked"])
+async def test_an_event_stream_sent_without_a_task_is_relayed_as_a_stream(proxy: Proxy, stream: bool) -> None:
     reader, writer = await _warm(proxy)
-    writer.write(chat_request("sse"))
+    writer.write(chat_request("sse", stream=stream))
     answer = await read_answer(reader)
     assert answer.status == 200 and answer.headers["content-type"] == "text/event-stream"
     assert answer.body.endswith(b"data: [DONE]\n\n")
