@@ -46,11 +46,6 @@ from ._upstream import EngineConnectionError, EngineResponse, make_engine_pool
 from .connector import EngineConnector
 from .router import ModelEntry, Router, Upstream
 
-try:
-    import orjson
-except ImportError:  # a platform without its wheel: the standard library's parser alone
-    orjson = None  # type: ignore[assignment]
-
 if TYPE_CHECKING:
     from . import _systemone
 
@@ -347,34 +342,19 @@ async def _read_body(request: web.Request) -> bytes:
     return raw
 
 
-def _loads_exactly(raw: bytes) -> Any:
-    """The standard library's parse: what the proxy accepts as JSON (NaN, lone surrogates, UTF-16
-    and UTF-32 bodies, integers of any size) and the values it sends on when it rewrites a body."""
+def _loads(raw: bytes) -> Any:
+    """The request body's JSON. (orjson read a chat body in a quarter of the time, 0.8 against 3.0
+    µs, about 1% of the proxy's CPU per request, but its import alone is 0.9 MiB of the daemon's
+    64 MiB idle budget: benchmarks/daemon_scale.py read 63.6 MiB with it.)"""
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):  # (nesting past the interpreter's depth)
         raise CapyError("The request body is not valid JSON.", code="invalid_json", status=400) from None
 
 
-def _loads(raw: bytes) -> Any:
-    """The request body's JSON, read for its ``model``: orjson where installed, the standard
-    library for whatever orjson refuses, so both accept the same bodies. (The standard library's
-    parse was 7% of the proxy's samples in benchmarks/proxy_hop.py's profile; orjson reads a chat
-    body in a quarter of its time, 0.8 against 3.0 µs.) Its numbers are not sent on: orjson reads
-    an integer past 64 bits as a float, so a body that is rewritten is parsed again exactly
-    (_payload_for)."""
-    if orjson is not None:
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return _loads_exactly(raw)
-
-
-def _parse_body(raw: bytes, *, exact: bool = False) -> tuple[dict[str, Any], str]:
-    """The parsed JSON object and its model name (``exact``: parsed by the standard library, its
-    numbers as they were written, for a route that reads more than the model)."""
-    body = _loads_exactly(raw) if exact else _loads(raw)
+def _parse_body(raw: bytes) -> tuple[dict[str, Any], str]:
+    """The parsed JSON object and its model name."""
+    body = _loads(raw)
     if not isinstance(body, dict):
         raise CapyError("The request body must be a JSON object.", code="invalid_json", status=400)
     model = body.get("model")
@@ -496,11 +476,10 @@ def _admit_model(exchange: Exchange, grant: KeyGrant | None, model: str) -> Mode
 
 
 def _payload_for(upstream: Upstream, raw: bytes, model: str) -> bytes:
-    """The client's bytes untouched, unless the engine knows the model by another name: then
-    the body parsed again by the standard library (its numbers as written) with that name."""
+    """The client's bytes untouched, unless the engine knows the model by another name."""
     if upstream.served_model is None or upstream.served_model == model:
         return raw
-    return json.dumps({**_loads_exactly(raw), "model": upstream.served_model}).encode()
+    return json.dumps({**_loads(raw), "model": upstream.served_model}).encode()
 
 
 # ---------------------------------------------------------------- routes
@@ -715,7 +694,7 @@ async def _systemone_route(request: web.Request) -> web.StreamResponse:
     exchange = _exchange(request)
     grant = authorize(exchange)
     raw = await _read_body(request)
-    body, model = _parse_body(raw, exact=True)  # validated whole, its numbers as written
+    body, model = _parse_body(raw)
     _admit_model(exchange, grant, model)
     parsed = _systemone.validate_request(body)  # before admission: a bad request wakes nothing
     try:
