@@ -475,11 +475,11 @@ def _admit_model(exchange: Exchange, grant: KeyGrant | None, model: str) -> Mode
     return entry
 
 
-def _payload_for(upstream: Upstream, raw: bytes, model: str) -> bytes:
+def _payload_for(upstream: Upstream, raw: bytes, body: dict[str, Any], model: str) -> bytes:
     """The client's bytes untouched, unless the engine knows the model by another name."""
     if upstream.served_model is None or upstream.served_model == model:
         return raw
-    return json.dumps({**_loads(raw), "model": upstream.served_model}).encode()
+    return json.dumps({**body, "model": upstream.served_model}).encode()
 
 
 # ---------------------------------------------------------------- routes
@@ -575,12 +575,7 @@ def admit_at_once(exchange: Exchange, raw: bytes) -> AdmittedAtOnce | None:
     if lease is None:
         return None
     upstream, release = lease
-    try:
-        payload = _payload_for(upstream, raw, model)
-    except CapyError:
-        release()
-        return None
-    return AdmittedAtOnce(upstream, release, payload, _upstream_headers(upstream))
+    return AdmittedAtOnce(upstream, release, _payload_for(upstream, raw, body, model), _upstream_headers(upstream))
 
 
 def _admitted_at_once(exchange: Exchange, model: str, needed: str, route: str,
@@ -635,7 +630,7 @@ async def _json_route(request: web.Request) -> web.StreamResponse:
 async def answer_json(exchange: Exchange, grant: KeyGrant | None, raw: bytes) -> None:
     """Answer a JSON POST route of the table (its key already checked): the body's ``model``
     selects the deployment. Errors are raised as CapyError, for the server to shape."""
-    _, model = _parse_body(raw)
+    body, model = _parse_body(raw)
     entry = _admit_model(exchange, grant, model)
     path = exchange.path
     if path == "/v1/responses":
@@ -644,12 +639,12 @@ async def answer_json(exchange: Exchange, grant: KeyGrant | None, raw: bytes) ->
     if lease is not None:  # ready and nothing queued: the common case
         upstream, release = lease
         try:
-            await forward(exchange, upstream, path, _payload_for(upstream, raw, model))
+            await forward(exchange, upstream, path, _payload_for(upstream, raw, body, model))
         finally:
             release()
         return
     async with _admitted(exchange, model, JSON_ROUTES[path], path, entry) as upstream:
-        await forward(exchange, upstream, path, _payload_for(upstream, raw, model))
+        await forward(exchange, upstream, path, _payload_for(upstream, raw, body, model))
 
 
 async def _form_route(request: web.Request) -> web.StreamResponse:
@@ -701,7 +696,7 @@ async def _systemone_route(request: web.Request) -> web.StreamResponse:
         async with exchange.state.router.acquire(model) as upstream:
             exchange.deployment = upstream.deployment
             if "systemone" in upstream.capabilities:
-                await forward(exchange, upstream, "/v1/systemone", _payload_for(upstream, raw, model))
+                await forward(exchange, upstream, "/v1/systemone", _payload_for(upstream, raw, body, model))
                 return _answer_of(exchange)
             if "decisions" in upstream.capabilities:  # TensorFold: the same questions, its own shape
                 _systemone.check_decidable(parsed)

@@ -200,7 +200,6 @@ class _Lane:
     exchange: Exchange
     admitted: AdmittedAtOnce
     head: _Head
-    body: bytes
     started: float
     response: EngineResponse | None = None
     head_checked: bool = False  # the answer's status and type were looked at
@@ -382,7 +381,7 @@ class FrontConnection(asyncio.Protocol):
         if admitted is None:
             return False
         self._begin(head)
-        lane = self._lane = _Lane(exchange, admitted, head, body, started)
+        lane = self._lane = _Lane(exchange, admitted, head, started)
         upstream = admitted.upstream
         try:
             lane.response = front.pool.send_now("POST", upstream.base_url, head.path, admitted.payload,
@@ -430,13 +429,11 @@ class FrontConnection(asyncio.Protocol):
                 reply_whole(lane.exchange, response, body)
             except ConnectionError:
                 self._status = CLIENT_CLOSED
-            response.close()  # whole: its connection goes back to the pool
             self._lane_done()
 
     def _lane_fails(self, error: CapyError) -> None:
         lane = self._lane
-        assert lane is not None and lane.response is not None
-        lane.response.close()
+        assert lane is not None
         self._answer_error(lane.exchange, error)
         self._lane_done()
 
@@ -478,7 +475,9 @@ class FrontConnection(asyncio.Protocol):
         if lane is None:
             return
         if lane.response is not None:
-            lane.response.close()  # an unfinished answer drops its connection (done: nothing happens)
+            # A whole answer's connection goes back to the pool; an unfinished one's is dropped, so
+            # the engine stops generating. (Closed already by forward_answer: nothing happens.)
+            lane.response.close()
         lane.admitted.release()
         self._record(lane.exchange, lane.head, lane.started)
         self._release_waiter(lane)

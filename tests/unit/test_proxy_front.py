@@ -19,7 +19,7 @@ from aiohttp import web
 
 from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app, serve
 from capyctl.proxy import _front
-from tests.unit.test_proxy import FakeRouter
+from tests.unit.test_proxy import FakeRouter, eventually
 
 KEY = "sk-front"
 HANG_GUARD = 10.0  # seconds; only reached when the behaviour under test is broken
@@ -287,11 +287,8 @@ async def test_a_client_that_leaves_mid_stream_cancels_the_engine_request(proxy:
     router = proxy.runner.app[_front.STATE].router
     assert router.in_flight == 1
     writer.close()
-
-    async def released() -> None:
-        while router.in_flight:
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(released(), HANG_GUARD)  # admission slot given back without the engine finishing
+    # The admission slot is given back without the engine finishing.
+    await eventually(lambda: router.in_flight == 0, "the admission given back")
     assert not proxy.release.is_set()
 
 
@@ -417,19 +414,12 @@ async def test_a_client_that_leaves_before_its_answer_without_a_task_releases_an
     reader, writer = await _warm(proxy)
     front = _front_of(proxy)
     writer.write(chat_request("wait"))
-
-    async def in_lane() -> None:
-        while not any(c._lane is not None and c._task is None for c in front.connections):
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(in_lane(), HANG_GUARD)
+    await eventually(lambda: any(c._lane is not None and c._task is None for c in front.connections),
+                     "the request sent without a task")
     router = proxy.runner.app[_front.STATE].router
     assert router.in_flight == 1
     writer.close()
-
-    async def released() -> None:
-        while router.in_flight:
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(released(), HANG_GUARD)  # without the engine answering
+    await eventually(lambda: router.in_flight == 0, "the admission given back")  # without the engine answering
     assert not proxy.release.is_set()
     metrics = proxy.runner.app[_front.STATE].metrics.render({}).decode()
     assert 'status="499"' in metrics, metrics
@@ -439,11 +429,7 @@ async def test_shutdown_waits_for_an_answer_under_way_without_a_task(proxy: Prox
     reader, writer = await _warm(proxy)
     writer.write(chat_request("wait"))
     front = _front_of(proxy)
-
-    async def in_lane() -> None:
-        while not any(c._lane is not None for c in front.connections):
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(in_lane(), HANG_GUARD)
+    await eventually(lambda: any(c._lane is not None for c in front.connections), "the request under way")
     cleanup = asyncio.create_task(proxy.runner.cleanup())
     await asyncio.sleep(0.1)
     assert not cleanup.done()
@@ -474,11 +460,8 @@ async def test_a_client_gone_before_its_engine_connection_opens_gives_its_admiss
     reader, writer = await proxy.connect()
     writer.write(chat_request("never"))
     router = proxy.runner.app[_front.STATE].router
-
-    async def released() -> None:
-        while not taken or router.in_flight or router.released < router.acquire_calls:
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(released(), HANG_GUARD)
+    await eventually(lambda: taken and not router.in_flight and router.released == router.acquire_calls,
+                     "the admission given back")
     assert taken[0].cancelled() and router.acquire_calls == 1
     assert proxy.engine_saw == []
     writer.close()
