@@ -8,7 +8,6 @@ handles signals and sd_notify.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import signal
@@ -26,7 +25,7 @@ from .api import build_api
 from .config import DaemonConfig
 from .controller import Controller
 from .errors import CapyError
-from .proxy import KeyGrant, build_app, listen_sockets_from_systemd, metrics_text, serve
+from .proxy import KeyGrant, build_app, listen_sockets_from_systemd, metrics_text, serve, token_digest
 from .store import Store
 
 log = logging.getLogger("capyctl")
@@ -46,11 +45,11 @@ class StoreKeys:
     def __init__(self, store: Store, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self._clock = clock
-        # sha256(token) -> (Store.keys_generation, when verified, grant): never the token itself.
+        # digest(token) -> (Store.keys_generation, when verified, grant): never the token itself.
         self._verified: dict[bytes, tuple[int, float, KeyGrant]] = {}
 
     def verify(self, token: str) -> KeyGrant | None:
-        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        digest = token_digest(token)
         generation, now = self.store.keys_generation, self._clock()
         known = self._verified.get(digest)
         if known is not None and known[0] == generation and now - known[1] < KEY_CACHE_SECONDS:

@@ -6,11 +6,11 @@ Router protocol the controller implements (:mod:`capyctl.proxy.router`).
 """
 
 from ._app import MiB, build_app, metrics_text
-from ._keys import KeyGrant, KeyVerifier, StaticKeys
+from ._keys import KeyGrant, KeyVerifier, StaticKeys, token_digest
 from ._sockets import listen_sockets_from_systemd, serve
 from .router import ModelEntry, Router, Upstream
 
 __all__ = [
     "KeyGrant", "KeyVerifier", "MiB", "ModelEntry", "Router", "StaticKeys", "Upstream",
-    "build_app", "listen_sockets_from_systemd", "metrics_text", "serve",
+    "build_app", "listen_sockets_from_systemd", "metrics_text", "serve", "token_digest",
 ]

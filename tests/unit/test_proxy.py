@@ -22,6 +22,7 @@ from aiohttp import web
 
 from capyctl.errors import CapyError, QueueFull, Unavailable
 from capyctl.proxy import _app as proxy_app
+from capyctl.proxy._metrics import PENDING_MAX, ProxyMetrics
 from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
 
 UPSTREAM_KEY = "launch-key-123"
@@ -315,6 +316,12 @@ async def test_body_errors(setup: Setup, http: aiohttp.ClientSession) -> None:
         (json.dumps({"model": "model-a", "pad": "x" * 5000}).encode(), 413, "request_too_large"),
         # Nested past the standard library's recursion limit: its RecursionError was answered 500.
         (b'{"model": "model-a", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "invalid_json"),
+        # What follows the object: json.loads refuses all but whitespace, and so must _loads' own
+        # reading of a UTF-8 object (its scanner stops at the object's end).
+        (b'{"model": "model-a"} {"model": "model-b"}', 400, "invalid_json"),
+        (b'{"model": "model-a"}\x00', 400, "invalid_json"),
+        (b'{"model": "model-a"', 400, "invalid_json"),
+        (b'{"model": "model-a", "x": "\xff"}', 400, "invalid_json"),  # not UTF-8
     ]
     for body, status, code in cases:
         async with http.post(url, headers={**auth(), "Content-Type": "application/json"}, data=body) as response:
@@ -375,6 +382,14 @@ async def test_bodies_the_standard_library_reads_are_read_and_rewritten_exactly(
     sent = json.loads(setup.fake.requests[-1][2])
     assert sent["model"] == "engine-name-a" and sent["seed"] == 123456789012345678901234567890
     assert sent["u"] == "\ud800" and sent["t"] != sent["t"]  # NaN
+    async with http.post(setup.url + "/v1/chat/completions", headers={**auth(), "Content-Type": "application/json"},
+                         data=b'{"model": "model-a"} \r\n\t') as response:  # whitespace after the object
+        assert response.status == 200
+    for utf16 in (json.dumps({"model": "model-b", "input": "hi"}).encode("utf-16"),  # with a BOM
+                  json.dumps({"model": "model-b", "input": "hi"}).encode("utf-16-le")):  # without: "{" then 0
+        async with http.post(setup.url + "/v1/embeddings", headers={**auth(), "Content-Type": "application/json"},
+                             data=utf16) as response:
+            assert response.status == 200
     utf16 = json.dumps({"model": "model-b", "input": "hi"}).encode("utf-16")
     async with http.post(setup.url + "/v1/embeddings", headers={**auth(), "Content-Type": "application/json"},
                          data=utf16) as response:
@@ -542,6 +557,29 @@ async def test_metrics_count_requests(setup: Setup, http: aiohttp.ClientSession)
     assert samples[("capyctl_parks_total", frozenset({("deployment", "dep-a")}))] == 1
     assert samples[("capyctl_queue_depth", frozenset({("deployment", "dep-a")}))] == 0
     assert samples[("capyctl_in_flight", frozenset({("deployment", "dep-a")}))] == 0
+
+
+def test_requests_are_counted_when_a_batch_is_full_or_at_a_scrape() -> None:
+    metrics = ProxyMetrics()
+    labels = {"deployment": "dep-a", "route": "/v1/chat/completions", "status": "200"}
+
+    def record() -> None:
+        metrics.record(deployment="dep-a", route="/v1/chat/completions", status=200, seconds=0.01)
+
+    def counted() -> float:
+        return metrics.registry.get_sample_value("capyctl_requests_total", labels) or 0.0
+
+    for _ in range(PENDING_MAX - 1):
+        record()
+    assert counted() == 0  # recorded, not yet counted
+    record()  # the batch is full
+    assert counted() == PENDING_MAX
+    record()
+    samples = parse_metrics(metrics.render({}).decode())  # a scrape counts what is pending
+    assert samples[("capyctl_requests_total", frozenset(labels.items()))] == PENDING_MAX + 1
+    histogram = frozenset({("deployment", "dep-a"), ("route", "/v1/chat/completions")})
+    assert samples[("capyctl_request_duration_seconds_count", histogram)] == PENDING_MAX + 1
+    assert samples[("capyctl_request_duration_seconds_bucket", histogram | {("le", "0.01")})] == PENDING_MAX + 1
 
 
 # ---------------------------------------------------------------- /v1/systemone
