@@ -585,8 +585,12 @@ def admit_at_once(exchange: Exchange, raw: bytes) -> AdmittedAtOnce | None:
         body, model = _parse_body(raw)
         if exchange.path == "/v1/responses":  # (its answer's id is remembered: answer_json's way)
             return None
-        entry = _admit_model(exchange, grant, model)
-        lease = _admitted_at_once(exchange, model, JSON_ROUTES[exchange.path], exchange.path, entry)
+        if grant is not None and not grant.allows(model):
+            return None
+        # No model_entry lookup: the engine that admits is asked for its routes anyway, and what
+        # the lookup would refuse (an unknown model, a route the engine lacks) is not admitted here
+        # and so is answered by answer_json.
+        lease = _admitted_at_once(exchange, model, JSON_ROUTES[exchange.path], exchange.path, None)
     except CapyError:
         return None
     if lease is None:
