@@ -874,48 +874,76 @@ def _complete_events_end(buffer: bytes) -> int:
                buffer.rfind(b"\r\n\r\n") + 4 if b"\r\n\r\n" in buffer else 0)
 
 
-_STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+class EventRelay:
+    """The rules of relaying an engine's event stream, without its I/O (``_stream`` in a task,
+    the front's lane from the engine connection's callbacks): whole events only, written as soon
+    as they arrive, so that if the engine dies halfway through an event the client gets our error
+    event, not a torn line glued to it; and at the end, the verdict on a stream CapyCTL cut."""
+
+    __slots__ = ("exchange", "upstream", "pending", "finished")
+
+    def __init__(self, exchange: Exchange, upstream: Upstream) -> None:
+        self.exchange = exchange
+        self.upstream = upstream
+        self.pending = b""  # the start of an event not yet whole
+        self.finished = False  # the stream's last event went by
+
+    def events(self, chunk: bytes) -> bytes:
+        """What to write now that ``chunk`` arrived: the whole events it completes (maybe none)."""
+        pending = self.pending + chunk
+        # (Engines send whole events, so the common case is one that ends the buffer: no scan, no copy.)
+        cut = len(pending) if pending.endswith(b"\n\n") else _complete_events_end(pending)
+        if not cut:
+            self.pending = pending
+            return b""
+        events = pending if cut == len(pending) else pending[:cut]
+        self.pending = pending[cut:]
+        self.finished = self.finished or _ends_stream(events)
+        if self.exchange.responses_model is not None:
+            _remember_streamed_response(self.exchange, events)
+        return events
+
+    def last(self) -> bytes:
+        """What ends the stream once the engine's answer is whole: the rest, or the error event of
+        an engine CapyCTL stopped, whose stream may end cleanly but unfinished (without the event
+        the client would take a cut-off answer for a whole one; a torn event is dropped)."""
+        verdict = _verdict(self.upstream)
+        if verdict is not None and not (self.finished or _ends_stream(self.pending)):
+            self.exchange.outcome = verdict.status
+            log.warning("proxy: stream from %s was cut: %s", self.upstream.deployment, verdict)
+            return _sse_error(self.exchange, verdict)
+        return self.pending
+
+    def broken(self, exc: BaseException) -> bytes:
+        """What ends the stream when the engine's answer broke off (``exc``): an error event."""
+        error = unreachable(self.upstream, exc)
+        self.exchange.outcome = error.status
+        log.warning("proxy: stream from %s broke: %s", self.upstream.deployment, error)
+        return _sse_error(self.exchange, error)
+
+
+STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def _stream(exchange: Exchange, upstream: Upstream, upstream_response: EngineResponse | _AiohttpAnswer) -> None:
     reply = exchange.reply
-    await reply.start_stream(upstream_response.status, dict(_STREAM_HEADERS))
-    # Whole events only, written as soon as they arrive: if the engine dies halfway
-    # through an event, the client gets our error event, not a torn line glued to it.
-    pending = b""
-    finished = False
+    await reply.start_stream(upstream_response.status, dict(STREAM_HEADERS))
+    relay = EventRelay(exchange, upstream)
     while True:
         try:
             chunk = await upstream_response.readany()
         except _UPSTREAM_ERRORS as exc:
-            error = unreachable(upstream, exc)
-            exchange.outcome = error.status
-            log.warning("proxy: stream from %s broke: %s", upstream.deployment, error)
-            return await _finish(exchange, _sse_error(exchange, error))
+            return await _finish(exchange, relay.broken(exc))
         if not chunk:
             break
-        pending += chunk
-        # (Engines send whole events, so the common case is one that ends the buffer: no scan, no copy.)
-        cut = len(pending) if pending.endswith(b"\n\n") else _complete_events_end(pending)
-        if cut:
-            events = pending if cut == len(pending) else pending[:cut]
+        events = relay.events(chunk)
+        if events:
             try:
                 await reply.write(events)
             except ConnectionError:
                 exchange.outcome = CLIENT_CLOSED
                 return
-            finished = finished or _ends_stream(events)
-            if exchange.responses_model is not None:
-                _remember_streamed_response(exchange, events)
-            pending = pending[cut:]
-    verdict = _verdict(upstream)
-    if verdict is not None and not (finished or _ends_stream(pending)):
-        # An engine stopped by CapyCTL may end its stream cleanly but unfinished: without this
-        # event the client would take a cut-off answer for a whole one.
-        exchange.outcome = verdict.status
-        log.warning("proxy: stream from %s was cut: %s", upstream.deployment, verdict)
-        return await _finish(exchange, _sse_error(exchange, verdict))  # a torn event is dropped
-    return await _finish(exchange, pending)
+    return await _finish(exchange, relay.last())
 
 
 # What the last event of a whole stream holds: OpenAI chat/completions end with "data: [DONE]";

@@ -61,6 +61,14 @@ def test_every_row_of_the_issue_is_there_and_passes_within_its_goals():
     assert rows["stream chunks/s, 64 concurrent, vs direct"].ratio == pytest.approx(0.995)
 
 
+def test_the_floor_relay_is_named_beside_the_added_latency_when_it_was_measured():
+    pvn = _pvn()
+    assert "floor" not in bs.proxy_rows(pvn)[0].value
+    pvn["latency_s"]["floor"] = [10.02 / 1000] * 20
+    row = bs.proxy_rows(pvn)[0]
+    assert row.value.endswith("; the floor relay 0.02 ms") and row.ratio == pytest.approx(0.1e-3)
+
+
 def test_goals_are_judged_at_their_bounds():
     assert bs.judge(1.02, 1.02, at_most=True) == "PASS"
     assert bs.judge(1.0201, 1.02, at_most=True) == "MISS"

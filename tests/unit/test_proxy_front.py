@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -26,6 +27,7 @@ from tests.unit.test_proxy import FakeRouter, eventually
 KEY = "sk-front"
 HANG_GUARD = 10.0  # seconds; only reached when the behaviour under test is broken
 MAX_BODY = 4096
+FLOOD_EVENTS = 8192  # 8 MiB of events: twice what Linux lets a socket's send buffer grow to (tcp_wmem)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Proxy:
     runner: web.AppRunner
     release: asyncio.Event  # lets a "slow" stream finish
     engine_saw: list[dict]
+    flood_written: asyncio.Event  # the engine wrote the last event of a "flood"
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(self.host, self.port)
@@ -44,6 +47,7 @@ class Proxy:
 async def proxy() -> AsyncIterator[Proxy]:
     release = asyncio.Event()
     engine_saw: list[dict] = []
+    flood_written = asyncio.Event()
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -71,6 +75,10 @@ async def proxy() -> AsyncIterator[Proxy]:
         await response.write(b"data: " + json.dumps({"echo": said}).encode() + b"\n\n")
         if said == "slow":
             await asyncio.wait_for(release.wait(), HANG_GUARD)
+        if said == "flood":  # FLOOD_EVENTS events of 1 KiB, each write waiting for the socket
+            for n in range(FLOOD_EVENTS):
+                await response.write(b"data: %05d " % n + b"x" * 1012 + b"\n\n")
+            flood_written.set()
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -84,7 +92,7 @@ async def proxy() -> AsyncIterator[Proxy]:
     runner = await serve(app, host_port="127.0.0.1:0")
     host, port = runner.addresses[0][:2]
     try:
-        yield Proxy(host, port, runner, release, engine_saw)
+        yield Proxy(host, port, runner, release, engine_saw, flood_written)
     finally:
         release.set()
         await runner.cleanup()
@@ -121,11 +129,12 @@ async def read_answer(reader: asyncio.StreamReader) -> Answer:
         if status == 100:
             return await go()
         if headers.get("transfer-encoding") == "chunked":
-            body = b""
+            chunks = bytearray()
             while size := int((await reader.readline()).strip(), 16):
-                body += await reader.readexactly(size)
+                chunks += await reader.readexactly(size)
                 assert await reader.readexactly(2) == b"\r\n"
             assert await reader.readexactly(2) == b"\r\n"
+            body = bytes(chunks)
         else:
             body = await reader.readexactly(int(headers.get("content-length", "0")))
         return Answer(status, headers, body)
@@ -408,6 +417,67 @@ async def test_an_event_stream_sent_without_a_task_is_relayed_as_a_stream(proxy:
     assert answer.status == 200 and answer.headers["content-type"] == "text/event-stream"
     assert answer.body.endswith(b"data: [DONE]\n\n")
     writer.write(chat_request("after"))
+    assert json.loads((await read_answer(reader)).body)["echo"] == "after"
+    writer.close()
+
+
+async def test_a_stream_sent_without_a_task_is_relayed_event_by_event_from_the_engines_callbacks(
+        proxy: Proxy) -> None:
+    reader, writer = await _warm(proxy)
+    writer.write(chat_request("slow", stream=True))
+    status_line = await asyncio.wait_for(reader.readline(), HANG_GUARD)
+    assert status_line.split()[1] == b"200"
+    while (await asyncio.wait_for(reader.readline(), HANG_GUARD)) != b"\r\n":
+        pass
+    size = int(await asyncio.wait_for(reader.readline(), HANG_GUARD), 16)
+    first = await asyncio.wait_for(reader.readexactly(size), HANG_GUARD)
+    assert first == b'data: {"echo": "slow"}\n\n'  # before the engine's stream ends
+    [connection] = [c for c in _front_of(proxy).connections if c.busy]
+    assert connection._task is None and connection._lane is not None and connection._lane.relay is not None
+    proxy.release.set()
+    assert await asyncio.wait_for(reader.readexactly(2), HANG_GUARD) == b"\r\n"
+    rest = b""
+    while size := int(await asyncio.wait_for(reader.readline(), HANG_GUARD), 16):
+        rest += await reader.readexactly(size)
+        await reader.readexactly(2)
+    await reader.readexactly(2)
+    assert rest == b"data: [DONE]\n\n"
+    writer.write(chat_request("after"))  # the connections, the client's and the engine's, go on
+    assert json.loads((await read_answer(reader)).body)["echo"] == "after"
+    writer.close()
+
+
+async def test_a_client_slower_than_its_stream_pauses_the_engine_instead_of_filling_memory(proxy: Proxy) -> None:
+    reader, writer = await _warm(proxy)
+    # The client reads nothing for a while. Small socket buffers on the proxy's side and the
+    # client's, so that the kernel holds little of the stream there.
+    def buffer_size(sock: socket.socket, option: int, size: int) -> None:
+        sock.setsockopt(socket.SOL_SOCKET, option, size)
+    front = _front_of(proxy)
+    [connection] = list(front.connections)
+    assert connection._transport is not None
+    [engine_connection] = [c for idle in front.pool._idle.values() for c in idle]
+    sockets = [(writer.transport.get_extra_info("socket"), socket.SO_RCVBUF),
+               (connection._transport.get_extra_info("socket"), socket.SO_SNDBUF),
+               (engine_connection.transport.get_extra_info("socket"), socket.SO_RCVBUF)]
+    for sock, option in sockets:
+        buffer_size(sock, option, 64 * 1024)
+    writer.write(chat_request("flood", stream=True))
+    await eventually(lambda: connection._lane is not None and connection._lane.engine_paused,
+                     "the engine connection paused")
+    await asyncio.sleep(0.3)
+    assert not proxy.flood_written.is_set()  # the engine waits for the client ...
+    assert connection._transport.get_write_buffer_size() < 1 << 20  # ... rather than the proxy buffering 8 MiB
+    # Now the client reads, through buffers of a usual size.
+    for sock, option in sockets:
+        buffer_size(sock, option, 1 << 20)
+    answer = await read_answer(reader)
+    events = answer.body.split(b"\n\n")
+    assert events[0] == b'data: {"echo": "flood"}'
+    assert [e[6:11] for e in events[1:-2]] == [b"%05d" % n for n in range(FLOOD_EVENTS)]
+    assert events[-2:] == [b"data: [DONE]", b""]
+    assert proxy.flood_written.is_set() and connection._lane is None
+    writer.write(chat_request("after"))  # the engine connection went back to the pool reading
     assert json.loads((await read_answer(reader)).body)["echo"] == "after"
     writer.close()
 
