@@ -8,7 +8,9 @@ reopened when the engine closes it. It takes only what the benchmarks send: a PO
 Content-Length body, answered with the engine's status and body; every request goes to
 POST /v1/chat/completions with the engine's key. Nothing here is CapyCTL: no key is checked,
 no model read, no error shaped. Streams are not relayed (the engine's whole answer is sent at
-its end), so use it for latency only.
+its end), so use it for latency only. A request the engine closed its connection on before
+answering (llama-server closes a kept-alive connection after a number of requests, or idle) is
+sent once more on a new one, as nginx's proxy_next_upstream and CapyCTL's pool do.
 
 Run: .venv/bin/python benchmarks/_minimal_relay.py --upstream-port P --launch-key K --port P
 """
@@ -38,6 +40,8 @@ class _Engine(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.client.engine = None
+        if self.client.sent is not None:  # unanswered: once more, on a new connection
+            self.client.connect()
 
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
@@ -47,6 +51,7 @@ class _Engine(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         body, self.body = b"".join(self.body), []
+        self.client.sent = None
         status = self.parser.get_status_code()
         self.parser = httptools.HttpResponseParser(self)
         if self.client.transport is not None and not self.client.transport.is_closing():
@@ -61,6 +66,7 @@ class _Client(asyncio.Protocol):
         self.engine: _Engine | None = None
         self.connecting = False
         self.buffer = b""
+        self.sent: bytes | None = None  # written to the engine, not yet answered
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -72,9 +78,7 @@ class _Client(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buffer += data
         if self.engine is None:
-            if not self.connecting:
-                self.connecting = True
-                asyncio.get_running_loop().create_task(self._connect())
+            self.connect()
             return
         end = self.buffer.find(b"\r\n\r\n")
         if end < 0:
@@ -88,15 +92,24 @@ class _Client(asyncio.Protocol):
             return
         body, self.buffer = self.buffer[end + 4:end + 4 + length], self.buffer[end + 4 + length:]
         assert self.engine.transport is not None
-        self.engine.transport.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nAuthorization: Bearer "
-                                    + self.launch_key.encode() + b"\r\nContent-Type: application/json\r\n"
-                                    b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self.sent = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nAuthorization: Bearer "
+                     + self.launch_key.encode() + b"\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self.engine.transport.write(self.sent)
+
+    def connect(self) -> None:
+        if not self.connecting:
+            self.connecting = True
+            asyncio.get_running_loop().create_task(self._connect())
 
     async def _connect(self) -> None:
         loop = asyncio.get_running_loop()
         _, self.engine = await loop.create_connection(lambda: _Engine(self), "127.0.0.1", self.engine_port)
         self.connecting = False
-        if self.buffer:
+        if self.sent is not None:
+            assert self.engine.transport is not None
+            self.engine.transport.write(self.sent)
+        elif self.buffer:
             self.data_received(b"")
 
 

@@ -94,9 +94,11 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
     tail = {name: p95(v) if v else None for name, v in lat.items()}
     added = med["capyctl"] - med["direct"] if med.get("capyctl") is not None and med.get("direct") else None
     nginx_added = med["nginx"] - med["direct"] if med.get("nginx") is not None and med.get("direct") else None
+    floor_added = med["floor"] - med["direct"] if med.get("floor") is not None and med.get("direct") else None
     rows = [
         Row("added latency, median, 1-token chat",
-            f"{_ms(added)} over direct ({_x(_ratio(med['capyctl'], med['direct']))}); nginx adds {_ms(nginx_added)}",
+            f"{_ms(added)} over direct ({_x(_ratio(med['capyctl'], med['direct']))}); nginx adds {_ms(nginx_added)}"
+            + (f"; the floor relay {_ms(floor_added)}" if floor_added is not None else ""),
             f"<= {GOAL_ADDED_MEDIAN_S * 1000:.2f} ms over direct",
             judge(added, GOAL_ADDED_MEDIAN_S, at_most=True), added),
     ]

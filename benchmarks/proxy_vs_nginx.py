@@ -10,6 +10,10 @@ machine's load and what one path leaves behind hit all alike:
 - capyctl: the CapyCTL proxy in a process of its own (benchmarks/_one_engine_proxy.py), with
   a key check, admission through a one-engine router and pass-through streaming.
 
+- floor, on the latency turns only: ``_minimal_relay.py``, a relay on the same event loop and
+  parser with none of CapyCTL's work (no key, no model read, no admission, no metrics; it relays
+  no stream), so that a run shows how much of CapyCTL's added latency is its own;
+
 - litellm (``--litellm PATH``, the ``litellm`` command of a venv with ``litellm[proxy]``):
   LiteLLM's proxy, one worker, with the same llama-server as an OpenAI-compatible backend,
   measured in a pass of its own after the three above (what it does after answering would
@@ -172,7 +176,7 @@ async def main() -> None:
 
     engine_port, launch_key = free_port(), secrets.token_hex(16)
     prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-nginx-"))
-    nginx_port, proxy_port, litellm_port = free_port(), free_port(), free_port()
+    nginx_port, proxy_port, litellm_port, floor_port = free_port(), free_port(), free_port(), free_port()
     processes: list[subprocess.Popen] = []
     litellm_status: dict[str, object] = {"measured": False, "error": "not asked for (--litellm)"}
     try:
@@ -191,6 +195,13 @@ async def main() -> None:
             [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
              "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", launch_key,
              "--client-key", CLIENT_KEY, "--port", str(proxy_port)], stdout=subprocess.DEVNULL))
+        # The floor (_minimal_relay.py): a relay on the same event loop and parser with none of
+        # CapyCTL's work, on the latency turns only (it relays no stream), so that every run shows
+        # how much of CapyCTL's added latency is its own per-request work and how much Python's.
+        processes.append(subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve().parent / "_minimal_relay.py"),
+             "--upstream-port", str(engine_port), "--launch-key", launch_key, "--port", str(floor_port)],
+            stdout=subprocess.DEVNULL))
         litellm = None
         if args.litellm:
             litellm = start_litellm(args.litellm, prefix, engine_port, launch_key, litellm_port)
@@ -223,12 +234,16 @@ async def main() -> None:
             passes = [{n: paths[n] for n in ("direct", "nginx", "capyctl")}]
             if "litellm" in paths:
                 passes.append({"litellm": paths["litellm"]})
+            floor = (f"http://127.0.0.1:{floor_port}", CLIENT_KEY)
+            await wait_listening(floor_port)
+            latency["floor"] = []
             for group in passes:
+                requests = {**group, "floor": floor} if "capyctl" in group else group
                 for _ in range(3):  # warm every path (connection pools, prompt cache)
-                    for url, key in group.values():
+                    for url, key in requests.values():
                         await one_request(http, url, key)
                 for turn in range(args.requests):
-                    for name, (url, key) in shuffled(group, turn):
+                    for name, (url, key) in shuffled(requests, turn):
                         latency[name].append(await one_request(http, url, key))
                 for turn in range(args.streams):
                     for name, (url, key) in shuffled(group, turn):
@@ -255,7 +270,7 @@ async def main() -> None:
     def ms(v: float) -> str:
         return f"{v * 1000:.2f} ms"
 
-    names = list(paths)
+    names = list(paths) + ["floor"]
     rows = [("latency median (max_tokens 1)", {n: statistics.median(v) for n, v in latency.items()}, ms),
             ("latency p95", {n: p95(v) for n, v in latency.items()}, ms),
             ("time to first chunk median", {n: statistics.median(v) for n, v in ttfc.items()}, ms),
@@ -267,7 +282,7 @@ async def main() -> None:
           f"concurrent streams; nginx {nginx}")
     print(f"{'':34}" + "".join(f"{n:>12}" for n in names) + f"{'capyctl/nginx':>15}{'capyctl/direct':>16}")
     for label, values, fmt in rows:
-        print(f"{label:34}" + "".join(f"{fmt(values[n]):>12}" for n in names)
+        print(f"{label:34}" + "".join(f"{fmt(values[n]) if n in values else '-':>12}" for n in names)
               + f"{values['capyctl'] / values['nginx']:>15.3f}{values['capyctl'] / values['direct']:>16.3f}")
     overheads = {n: statistics.median(latency[n]) - statistics.median(latency["direct"]) for n in names[1:]}
     print(f"{'overhead over direct (median)':34}{'':>12}" + "".join(f"{ms(v):>12}" for v in overheads.values()))
@@ -276,6 +291,21 @@ async def main() -> None:
             "requests": args.requests, "streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,
             "engine_slots": slots, "nginx": nginx, "litellm": litellm_status, "latency_s": latency,
             "ttfc_s": ttfc, "stream_chunks_per_s": rate, "concurrency": concurrency}))
+
+
+async def wait_listening(port: int) -> None:
+    """Once something accepts connections on 127.0.0.1:``port`` (a process just started)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+            continue
+        writer.close()
+        return
 
 
 async def wait_litellm(http: aiohttp.ClientSession, url: str, process: subprocess.Popen,
