@@ -585,12 +585,10 @@ def admit_at_once(exchange: Exchange, raw: bytes) -> AdmittedAtOnce | None:
         body, model = _parse_body(raw)
         if exchange.path == "/v1/responses":  # (its answer's id is remembered: answer_json's way)
             return None
-        if grant is not None and not grant.allows(model):
-            return None
-        # No model_entry lookup: the engine that admits is asked for its routes anyway, and what
-        # the lookup would refuse (an unknown model, a route the engine lacks) is not admitted here
-        # and so is answered by answer_json.
-        lease = _admitted_at_once(exchange, model, JSON_ROUTES[exchange.path], exchange.path, None)
+        # (The entry first, as answer_json does: a deployment known to lack the route is not
+        # admitted, which would count as its use and put its idle park off.)
+        entry = _admit_model(exchange, grant, model)
+        lease = _admitted_at_once(exchange, model, JSON_ROUTES[exchange.path], exchange.path, entry)
     except CapyError:
         return None
     if lease is None:

@@ -718,23 +718,19 @@ async def test_request_timeout_bounds_the_upstream_exchange(setup: Setup, http: 
         await slow_runner.cleanup()
 
 
-@pytest.mark.parametrize("at_once", [True, False], ids=["admitted-at-once", "admitted-by-acquire"])
-async def test_a_request_looks_up_its_one_model_where_the_router_can(
-        setup: Setup, http: aiohttp.ClientSession, at_once: bool, request: pytest.FixtureRequest) -> None:
+async def test_a_request_looks_up_its_one_model_where_the_router_can(setup: Setup,
+                                                                      http: aiohttp.ClientSession) -> None:
     """A Router with model_entry is asked for the request's model only: models() (every deployment
-    and alias) is not built per request. The front's lane, admitted at once, asks for no entry:
-    the admitted engine's Upstream says which routes it serves."""
+    and alias) is not built per request."""
     asked: list[str] = []
 
     def model_entry(model: str) -> ModelEntry | None:
         asked.append(model)
         return next((e for e in FakeRouter.models(setup.router) if e.id == model), None)
 
-    setup.router.at_once = at_once
     setup.router.model_entry = model_entry  # type: ignore[attr-defined]
     setup.router.models = lambda: pytest.fail("models() was built for one request")  # type: ignore[method-assign]
     body = {"model": "model-b", "messages": [{"role": "user", "content": "hi"}]}
     async with http.post(setup.url + "/v1/chat/completions", json=body, headers=auth()) as response:
         assert response.status == 200
-    through_the_lane = at_once and request.node.callspec.params["setup"] == "front"
-    assert asked == ([] if through_the_lane else ["model-b"])
+    assert asked == ["model-b"]
