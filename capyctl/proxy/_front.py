@@ -274,29 +274,23 @@ class _Lane:
 class _LaneAnswer(EngineResponse):
     """The engine's answer to a lane's request: each event it gets (head, body, end, failure) is
     passed to the front connection, which answers from its callbacks (a whole answer at its end,
-    an event stream event by event); until it is handed to a task, when it is an EngineResponse
-    like any other."""
+    an event stream event by event) until the answer is closed."""
 
     def __init__(self, pool: EnginePool, connection: _Connection, loop: asyncio.AbstractEventLoop,
                  lane_of: FrontConnection) -> None:
         super().__init__(pool, connection, loop)
-        self.lane_of: FrontConnection | None = lane_of
+        self.lane_of = lane_of
 
     def _body(self, data: bytes) -> None:
-        if self.lane_of is None:
-            super()._body(data)
-        else:
-            self.lane_of._lane_body(self, data)
+        self.lane_of._lane_body(self, data)
 
     def _wake_headers(self) -> None:
         super()._wake_headers()
-        if self.lane_of is not None:
-            self.lane_of._lane_event(self)
+        self.lane_of._lane_event(self)
 
     def _wake_reader(self) -> None:
         super()._wake_reader()
-        if self.lane_of is not None:
-            self.lane_of._lane_event(self)
+        self.lane_of._lane_event(self)
 
 
 class FrontConnection(asyncio.Protocol):
@@ -489,13 +483,11 @@ class FrontConnection(asyncio.Protocol):
             if response.content_type == "text/event-stream":  # relayed event by event, as it comes
                 lane.relay = EventRelay(lane.exchange, lane.admitted.upstream)
                 # Its head goes with the first events (one send, as aiohttp's server does).
-                self._stream_head = self._head_bytes(response.status, dict(STREAM_HEADERS),
+                self._stream_head = self._head_bytes(response.status, STREAM_HEADERS,
                                                      b"Transfer-Encoding: chunked\r\n")
         if response._complete and lane.relay is not None:
             self._lane_stream_end(lane.relay.last())
         elif response._complete:
-            assert isinstance(response, _LaneAnswer)
-            response.lane_of = None
             body = b"".join(response._chunks)
             response._chunks.clear()
             try:
