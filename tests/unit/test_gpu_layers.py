@@ -23,12 +23,19 @@ GiB = 1 << 30
 _U32, _STRING, _ARRAY = 4, 8, 9
 
 
-def write_gguf(path: Path, metadata: dict[str, object], size: int) -> Path:
-    """A GGUF v3 file with these key/values and no tensors, padded (sparse) to ``size`` bytes: the
-    sizing reads only the metadata and the file size."""
-    def string(text: str) -> bytes:
-        raw = text.encode()
-        return struct.pack("<Q", len(raw)) + raw
+def _string(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_gguf(path: Path, metadata: dict[str, object], size: int,
+               tensors: list[tuple[str, int]] | None = None, alignment: int = 32) -> Path:
+    """A GGUF v3 file with these key/values, padded (sparse) to ``size`` bytes, and with no tensors
+    (the sizing then reads only the metadata and the file size) or with ``tensors`` (name, bytes)
+    in its tensor table, their data laid out as ggml/src/gguf.cpp does: each at a multiple of
+    the alignment from the data section, which starts at the first multiple after the header;
+    the file then ends with the last tensor."""
+    string = _string
 
     body = b""
     for key, value in metadata.items():
@@ -39,8 +46,19 @@ def write_gguf(path: Path, metadata: dict[str, object], size: int) -> Path:
             body += struct.pack("<IIQ", _ARRAY, _U32, len(value)) + b"".join(struct.pack("<I", v) for v in value)
         else:
             body += struct.pack("<II", _U32, value)
+    table, offset = b"", 0
+    for name, nbytes in tensors or []:
+        # One dimension of nbytes F32-sized values would be 4x; the type does not matter to the
+        # sizing, which takes the distance between offsets.
+        table += string(name) + struct.pack("<IQIQ", 1, nbytes, 0, offset)
+        offset += -(-nbytes // alignment) * alignment
     with open(path, "wb") as f:
-        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, len(metadata)) + body)
+        header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors or []), len(metadata)) + body + table
+        f.write(header)
+        if tensors:
+            data_start = -(-len(header) // alignment) * alignment
+            last = tensors[-1][1]
+            size = data_start + offset - (-(-last // alignment) * alignment) + last
         f.truncate(size)
     return path
 
@@ -108,7 +126,7 @@ def test_a_budget_too_small_offloads_as_many_layers_as_fit(tmp_path: Path) -> No
     budget = 4 * GiB
     layers = int(ngl(ctx_for(model, budget=budget, gpus=[0])))
     per_layer = 8 * GiB / 33 + (128 << 10) * 4096 / 32  # weights over 32 + 1 layers, KV of one layer
-    assert layers == math.floor((budget - GPU_OVERHEAD) / per_layer) == 13
+    assert layers == math.floor((budget - GPU_OVERHEAD) / per_layer) == 12
     assert GPU_OVERHEAD + layers * per_layer <= budget < GPU_OVERHEAD + (layers + 1) * per_layer
     # A longer context leaves room for fewer layers; two cards of the same budget for more.
     assert int(ngl(ctx_for(model, budget=budget, gpus=[0], args=["-c", "32768"]))) < layers
@@ -174,3 +192,68 @@ def test_the_bundled_smollm2_gguf() -> None:
     # SmolLM2-135M: 30 layers, 576 wide, 9 heads of 64, 3 KV heads, trained at 8192 tokens.
     assert layout is not None
     assert (layout.block_count, layout.kv_bytes_per_token, layout.context_length) == (30, 30 * 128 * 3 * 2, 8192)
+    # llama-server 11434.0.0 on this file at -c 4096 logs "model buffer size = 92.10 MiB" and "KV
+    # buffer size = 90.00 MiB". Its output is tied to the token embeddings, which are loaded once
+    # for the input (host) and once for the output (offloaded), so every layer offloaded is all of
+    # the model's tensor bytes.
+    assert len(set(layout.layer_bytes)) == 1 and len(layout.layer_bytes) == 30
+    assert round(layout.offloaded(31, 4096) / (1 << 20), 2) == 92.10 + 90.00
+
+
+MiB = 1 << 20
+
+
+def _small_llama(tmp_path: Path, *, tied: bool = False, vocab_mib: int = 100, **extra) -> Path:
+    """Four layers of 10 MiB, token embeddings and an output layer of ``vocab_mib`` each (the
+    output tied to the embeddings when ``tied``), 1 KiB of KV cache per token."""
+    meta = {"general.architecture": "llama", "llama.block_count": 4, "llama.context_length": 4096,
+            "llama.embedding_length": 256, "llama.attention.head_count": 2, "llama.attention.head_count_kv": 1,
+            "llama.attention.key_length": 64, "llama.attention.value_length": 64}
+    meta.update(extra)
+    tensors = [("token_embd.weight", vocab_mib * MiB)]
+    for i in range(4):
+        tensors += [(f"blk.{i}.attn_q.weight", 4 * MiB), (f"blk.{i}.ffn_up.weight", 6 * MiB - 31)]
+    tensors.append(("output_norm.weight", 1024))
+    if not tied:
+        tensors.append(("output.weight", vocab_mib * MiB))
+    return write_gguf(tmp_path / "small.gguf", meta, 0, tensors)
+
+
+def test_tensor_sizes_come_from_the_offsets_of_the_tensor_table(tmp_path: Path) -> None:
+    from capyctl.engines._gguf import read_tensor_sizes
+    path = _small_llama(tmp_path)
+    sizes = read_tensor_sizes(str(path))
+    assert sizes["token_embd.weight"] == sizes["output.weight"] == 100 * MiB
+    assert sizes["blk.3.attn_q.weight"] == 4 * MiB
+    assert sizes["blk.0.ffn_up.weight"] == 6 * MiB  # 31 bytes short, padded to the alignment
+    assert sizes["output.weight"] == 100 * MiB  # the last one: to the end of the file
+    # An alignment from the metadata moves the data section and pads each tensor to it.
+    aligned = write_gguf(tmp_path / "a.gguf", {"general.alignment": 4096}, 0,
+                         [("a", 10), ("b", 5000), ("c", 7)], alignment=4096)
+    assert read_tensor_sizes(str(aligned)) == {"a": 4096, "b": 8192, "c": 7}
+
+
+def test_offload_counts_the_output_layer_first_and_leaves_the_embeddings_on_the_host(tmp_path: Path) -> None:
+    layout = gguf_layout(str(_small_llama(tmp_path)))
+    assert layout is not None
+    assert layout.layer_bytes == (10 * MiB,) * 4 and layout.output_bytes == 100 * MiB + 1024
+    kv_layer = 1024 * 4096 // 4  # 1 KiB a token over four layers, at -c 4096
+    # -ngl 1 is the output layer alone; -ngl 3 adds the last two repeating layers and their KV.
+    assert layout.offloaded(1, 4096) == 100 * MiB + 1024
+    assert layout.offloaded(3, 4096) == 100 * MiB + 1024 + 2 * (10 * MiB + kv_layer)
+    # Everything: no token embeddings (the input layer stays on the CPU).
+    assert layout.full_offload(4096) == 100 * MiB + 1024 + 4 * 10 * MiB + 4 * kv_layer + GPU_OVERHEAD
+
+
+def test_a_budget_smaller_than_the_output_layer_offloads_nothing(tmp_path: Path) -> None:
+    """With the bytes spread evenly (as before the tensor table was read), 60 MiB looked like room
+    for one of five 48 MiB layers; but -ngl 1 is the 100 MiB output layer, and the engine overran
+    its budget (seen on an H200 with a 152,000-token vocabulary)."""
+    model = _small_llama(tmp_path)
+    assert ngl(ctx_for(model, budget=GPU_OVERHEAD + 60 * MiB, gpus=[0])) == "0"
+    assert ngl(ctx_for(model, budget=GPU_OVERHEAD + 125 * MiB, gpus=[0])) == "3"  # output + two layers
+
+
+def test_tied_embeddings_are_loaded_again_for_the_output(tmp_path: Path) -> None:
+    layout = gguf_layout(str(_small_llama(tmp_path, tied=True)))
+    assert layout is not None and layout.output_bytes == 100 * MiB + 1024
