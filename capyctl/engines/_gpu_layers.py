@@ -33,7 +33,8 @@ from ._gguf import read_metadata, read_tensor_sizes
 # cuBLAS and the kernels it loads) and llama.cpp's compute buffer. Measured by scripts/gpu-check
 # on an H200 (driver 580.159.04, CUDA 13) with a 1.7 GB llama-architecture model at -c 4096:
 # NVML showed the process 595 MiB beyond what llama-server's own memory breakdown accounts for
-# (common_memory_breakdown_print), and a compute buffer of 156-160 MiB, so 755 MiB; 512 MiB (the
+# (common_memory_breakdown_print), and a compute buffer of 156-160 MiB, the same with a vocabulary
+# of 32,000 tokens and of 151,936 (whose output layer alone is 594 MiB), so 755 MiB; 512 MiB (the
 # figure before that measurement) let every -ngl plan overrun its budget by 110-170 MiB. The
 # controller still measures the real use once the engine is ready and corrects the charge.
 GPU_OVERHEAD = 768 << 20
