@@ -157,6 +157,7 @@ class DeploymentActor:
         # without waking the model; every launch refines it with the model's resolved path.
         self.capabilities: frozenset[str] = self.spec_capabilities()
         self.served_model: str | None = None
+        self._upstream: tuple[tuple, DeploymentSpec, Upstream] | None = None  # see upstream()
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._wake_future: asyncio.Future | None = None
         self._idle = asyncio.Event()
@@ -204,6 +205,20 @@ class DeploymentActor:
         return self.host != "local"
 
     def upstream(self) -> Upstream:
+        """Where the proxy sends this deployment's requests now. The proxy asks on every request,
+        and the engine's kind is a store read (a SELECT and a validated spec, 12 us warm and
+        several times that between llama-server's token steps), so the Upstream is kept for as
+        long as what it is made of stays the same: one per launch and address."""
+        made_of = (self.launch_id, self.host, self.port, self.local_port, self.socket_path, self.local_socket,
+                   self.key, self.capabilities, self.served_model)
+        cached = self._upstream
+        if cached is not None and cached[0] == made_of and cached[1] is self.spec:
+            return cached[2]
+        upstream = self._make_upstream()
+        self._upstream = (made_of, self.spec, upstream)
+        return upstream
+
+    def _make_upstream(self) -> Upstream:
         if self.socket_path is not None:
             return Upstream(deployment=self.name, base_url=socket_base_url(self.name, self.launch_id or "none"),
                             api_key=self.key, engine=self.controller.engine_kind(self.spec),

@@ -116,6 +116,38 @@ async def test_try_acquire_admits_at_once_only_what_acquire_would_admit_without_
     assert err.value.code == "host_offline"
 
 
+async def test_a_request_reads_nothing_from_the_store_once_its_launch_is_known(
+        controller: Controller, monkeypatch) -> None:
+    # The proxy asks for the Upstream on every request; the engine's kind is a store read (a
+    # SELECT and a validated EngineSpec). It is read once a launch and address, not per request.
+    from capyctl.controller import DeploymentActor
+    from capyctl.controller._actor import READY
+    from capyctl.spec import EngineSpec
+    controller.store.put_engine(EngineSpec.model_validate(
+        {"kind": "engine", "name": "llama", "type": "llama.cpp", "path": "/opt/llama-server"}))
+    spec = DeploymentSpec(name="m", engine="llama", model={"path": "/models/m.gguf"})
+    actor = controller.actors["m"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
+    actor.state, actor.port, actor.key, actor.launch_id = READY, 40123, "launch-key", "l1"
+    reads: list[str] = []
+    get_engine = controller.store.get_engine
+    monkeypatch.setattr(controller.store, "get_engine", lambda name: reads.append(name) or get_engine(name))
+    for _ in range(3):
+        upstream, release = controller.try_acquire("m")
+        release()
+        assert upstream.engine == "llama.cpp" and upstream.base_url == "http://127.0.0.1:40123"
+    assert reads == ["llama"]
+    # A new launch, on a new port with a new key: a new Upstream, read once more.
+    actor.port, actor.key, actor.launch_id = 40999, "next-key", "l2"
+    upstream, release = controller.try_acquire("m")
+    release()
+    assert (upstream.base_url, upstream.api_key) == ("http://127.0.0.1:40999", "next-key") and reads == ["llama"] * 2
+    # The same launch learning what its engine serves: the Upstream says so at once.
+    actor.capabilities = frozenset({"chat"})
+    upstream, release = controller.try_acquire("m")
+    release()
+    assert upstream.capabilities == {"chat"}
+
+
 async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(controller: Controller) -> None:
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=OFFLINE, reason="unreachable")
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"])
