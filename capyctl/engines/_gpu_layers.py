@@ -52,8 +52,9 @@ class GgufLayout:
     output layer's: ``output.weight`` (or, when the model has none, the token embeddings, which
     llama.cpp then loads a second time for the output: TENSOR_DUPLICATED in src/models/*.cpp),
     ``output_norm`` and whatever belongs to no layer but the input (create_tensor in
-    src/llama-model.cpp puts those with the output). ``input_bytes`` (``token_embd.weight``)
-    stay in host memory: the input layer is always on the CPU (dev_input). Without the table
+    src/llama-model.cpp puts those with the output; counting a small input tensor such as
+    ``token_embd_norm`` there too errs on the safe side). The token embeddings
+    (``token_embd.weight``) are in neither: the input layer stays on the CPU (dev_input). Without the table
     (``layer_bytes`` empty) the bytes are spread evenly over the block_count + 1 layers."""
 
     file_size: int
