@@ -190,3 +190,32 @@ def test_the_hop_with_the_front_off_is_its_own_baseline_row():
                                            "350 us; proxy CPU 300 us/request"]
     assert rows[1].measure == "one hop, the proxy's front off (aiohttp's server alone)"
     assert len(bs.hop_rows({"hop_s": {"nginx": 1e-4, "capyctl": 2e-4}})) == 1  # an older run: no such row
+
+
+def test_added_latency_is_the_median_of_the_differences_turn_by_turn_with_its_interval():
+    import random
+    rng = random.Random(3)
+    # The machine's drift moves every path of a turn alike: direct spreads over 10-20 ms, and the
+    # proxy adds 0.10 ms to each turn's figure, give or take 0.02 ms.
+    direct = [rng.uniform(0.010, 0.020) for _ in range(300)]
+    pvn = _pvn()
+    pvn["latency_s"].update(direct=direct, nginx=[d + 0.00005 for d in direct],
+                            capyctl=[d + 0.0001 + rng.uniform(-2e-5, 2e-5) for d in direct])
+    row = _by_measure(bs.evaluate(_results(proxy_vs_nginx=pvn)))["added latency, median, 1-token chat"]
+    assert row.ratio == pytest.approx(0.0001, abs=3e-6) and row.status == "PASS"
+    low, high = bs.turn_interval({"c": pvn["latency_s"]["capyctl"], "d": direct},
+                                 lambda t: bs.paired_difference(t["c"], t["d"]))
+    assert 0.00008 < low <= row.ratio <= high < 0.00012
+    assert "paired by turn (95% CI 0.10-0.10 ms)" in row.value and "cannot tell" not in row.value
+
+
+def test_a_goal_inside_the_interval_is_said_to_be_undecided_by_the_run():
+    import random
+    rng = random.Random(4)
+    direct = [rng.uniform(0.010, 0.020) for _ in range(200)]
+    pvn = _pvn()
+    # Each turn's added latency anywhere from 0 to 0.5 ms: the median is near the 0.25 ms goal.
+    pvn["latency_s"].update(direct=direct, nginx=list(direct), capyctl=[d + rng.uniform(0, 0.0005) for d in direct])
+    rows = _by_measure(bs.evaluate(_results(proxy_vs_nginx=pvn)))
+    assert "goal inside: cannot tell" in rows["added latency, median, 1-token chat"].value
+    assert bs.turn_interval({"a": [1.0]}, lambda t: 0.0) is None  # one turn: no interval
