@@ -58,19 +58,24 @@ _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f"
                    12: "<d"}
 
 
+def _header(f: BinaryIO, path: str) -> tuple[int, int]:
+    """Check the magic and version at the start of ``f``; its tensor count and key/value count."""
+    if f.read(4) != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file")
+    version = _u32(f)
+    if version < 2:
+        raise ValueError(f"{path} is GGUF version {version}; only 2 and later are read")
+    return _u64(f), _u64(f)
+
+
 def read_metadata(path: str, wanted: set[str]) -> dict[str, object]:
     """The values of the ``wanted`` keys: numbers, booleans and strings as such, arrays of numbers
     as lists (some models give ``<arch>.attention.head_count_kv`` per layer); other arrays are
     skipped. Stops reading once all are found."""
     found: dict[str, object] = {}
     with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file")
-        version = _u32(f)
-        if version < 2:
-            raise ValueError(f"{path} is GGUF version {version}; only 2 and later are read")
-        _u64(f)  # tensor count
-        for _ in range(_u64(f)):
+        _tensor_count, kv_count = _header(f, path)
+        for _ in range(kv_count):
             key = _string(f)
             kind = _u32(f)
             if key not in wanted:
@@ -109,12 +114,7 @@ def read_tensor_sizes(path: str) -> dict[str, int]:
     the last one, to the end of the file, so no table of ggml's quantized block sizes is needed."""
     offsets: list[tuple[int, str]] = []
     with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file")
-        version = _u32(f)
-        if version < 2:
-            raise ValueError(f"{path} is GGUF version {version}; only 2 and later are read")
-        n_tensors, n_kv = _u64(f), _u64(f)
+        n_tensors, n_kv = _header(f, path)
         alignment = GGUF_DEFAULT_ALIGNMENT
         for _ in range(n_kv):
             key = _string(f)
