@@ -92,6 +92,11 @@ def _interval(ci: tuple[float, float] | None, goal: float, fmt: Callable[[float]
     return f"95% CI {fmt(ci[0])}-{fmt(ci[1])}{inside}"
 
 
+def _ratio_of_medians(turns: Mapping[str, Sequence[float]]) -> float:
+    """CapyCTL's median over nginx's, for turn_interval (samples under "c" and "n")."""
+    return statistics.median(turns["c"]) / statistics.median(turns["n"])
+
+
 def _in_ms(value: float) -> str:
     return f"{value * 1000:.2f}"
 
@@ -135,21 +140,21 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
     med = {name: _median(v) for name, v in lat.items()}
     tail = {name: p95(v) if v else None for name, v in lat.items()}
 
+    def paired(name: str) -> bool:
+        # proxy_vs_nginx.py's turns: one sample of every path each, so they pair up by index.
+        return bool(lat.get(name)) and bool(lat.get("direct")) and len(lat[name]) == len(lat["direct"])
+
     def over_direct(name: str) -> float | None:
-        # Turn by turn where the samples pair up (proxy_vs_nginx.py's turns), else the medians'.
-        if not lat.get(name) or not lat.get("direct"):
-            return None
-        if len(lat[name]) == len(lat["direct"]):
+        if paired(name):
             return paired_difference(lat[name], lat["direct"])
-        return med[name] - med["direct"]
+        return med[name] - med["direct"] if med.get(name) is not None and med.get("direct") else None
 
     added, nginx_added, floor_added = over_direct("capyctl"), over_direct("nginx"), over_direct("floor")
-    paired = lat.get("capyctl") and lat.get("direct") and len(lat["capyctl"]) == len(lat["direct"])
     added_ci = turn_interval({"c": lat["capyctl"], "d": lat["direct"]},
-                             lambda t: paired_difference(t["c"], t["d"])) if paired else None
+                             lambda t: paired_difference(t["c"], t["d"])) if paired("capyctl") else None
     rows = [
         Row("added latency, median, 1-token chat",
-            f"{_ms(added)} over direct"
+            f"{_ms(added)} over direct ({_x(_ratio(med['capyctl'], med['direct']))})"
             + (f" paired by turn ({_interval(added_ci, GOAL_ADDED_MEDIAN_S, _in_ms)} ms)" if added_ci else "")
             + f"; nginx adds {_ms(nginx_added)}"
             + (f"; the floor relay {_ms(floor_added)}" if floor_added is not None else ""),
@@ -158,7 +163,7 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
     ]
     r = _ratio(med["capyctl"], med["nginx"])
     ci = turn_interval({"c": lat["capyctl"], "n": lat["nginx"]},
-                       lambda t: statistics.median(t["c"]) / statistics.median(t["n"])) if r is not None else None
+                       _ratio_of_medians) if r is not None else None
     rows.append(Row("latency median, total vs nginx",
                     f"{_x(r)} ({_ms(med['capyctl'])} vs {_ms(med['nginx'])}"
                     + (f"; {_interval(ci, GOAL_MEDIAN_VS_NGINX, _in_x)}" if ci else "") + ")",
@@ -171,7 +176,7 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
     ttfc = {name: _median(v) for name, v in pvn["ttfc_s"].items()}
     r = _ratio(ttfc.get("capyctl"), ttfc.get("nginx"))
     ci = turn_interval({"c": pvn["ttfc_s"]["capyctl"], "n": pvn["ttfc_s"]["nginx"]},
-                       lambda t: statistics.median(t["c"]) / statistics.median(t["n"])) if r is not None else None
+                       _ratio_of_medians) if r is not None else None
     rows.append(Row("time to first chunk, median, vs nginx", f"{_x(r)} ({_ms(ttfc.get('capyctl'))} vs "
                     f"{_ms(ttfc.get('nginx'))}" + (f"; {_interval(ci, GOAL_TTFC_VS_NGINX, _in_x)}" if ci else "") + ")",
                     f"<= {GOAL_TTFC_VS_NGINX:.2f}x nginx", judge(r, GOAL_TTFC_VS_NGINX, at_most=True), r))

@@ -207,6 +207,7 @@ def test_added_latency_is_the_median_of_the_differences_turn_by_turn_with_its_in
                                  lambda t: bs.paired_difference(t["c"], t["d"]))
     assert 0.00008 < low <= row.ratio <= high < 0.00012
     assert "paired by turn (95% CI 0.10-0.10 ms)" in row.value and "cannot tell" not in row.value
+    assert "0.10 ms over direct (1.00" in row.value  # the ratio to direct's median, as the table gives it
 
 
 def test_a_goal_inside_the_interval_is_said_to_be_undecided_by_the_run():
