@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import pytest
 from aiohttp import web
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app, serve
@@ -556,8 +557,8 @@ _ODD_PIECES = {
 
 
 @st.composite
-def _request_heads(draw: st.DrawFn) -> bytes:
-    """A usual head, or one with a change a client (or an attacker) might make in it."""
+def _request_heads(draw: st.DrawFn, odd_ones: bool = True) -> bytes:
+    """A usual head, or (``odd_ones``) one with a change a client (or an attacker) might make in it."""
     method = draw(st.sampled_from(["POST", "GET"]))
     target = draw(st.sampled_from(["/v1/chat/completions", "/health", "/v1/models?x=1&y=%20", "/v1/embeddings"]))
     # What the front needs (a Host, a length), then other headers, a repeated one now and then.
@@ -567,7 +568,7 @@ def _request_heads(draw: st.DrawFn) -> bytes:
                for name in draw(st.lists(st.sampled_from(_HEAD_NAMES), max_size=5))]
     draw(st.randoms()).shuffle(fields)
     request_line = f"{method} {target} HTTP/1.1"
-    kind = draw(st.sampled_from(["none", *_ODD_PIECES]))
+    kind = draw(st.sampled_from(["none", *_ODD_PIECES])) if odd_ones else "none"
     odd = draw(st.sampled_from(_ODD_PIECES[kind])) if kind != "none" else ""
     if kind == "request":
         request_line = odd if " HTTP/" in odd else odd + "x HTTP/1.1"
@@ -607,6 +608,46 @@ def test_the_usual_heads_are_read_the_quick_way_and_repeated_headers_by_httptool
     assert head is not None and head.headers["accept"] == "a, b"  # joined, as before
     two_keys = b"GET /health HTTP/1.1\r\nHost: p\r\nX-Api-Key: a\r\nx-api-key: b\r\n\r\n"
     assert _front.read_head(two_keys, MAX_BODY) is None  # left to aiohttp
+
+
+@settings(max_examples=500, deadline=None)
+@given(_request_heads(odd_ones=False), st.data())
+def test_a_head_read_from_the_connections_memo_is_the_head_read_afresh(first: bytes, data: st.DataObject) -> None:
+    # What a client's SDK sends next on its connection: the same head with another length (say
+    # one with leading zeros, one past max_body, or one that is no number), the same bytes, or
+    # any other head. Whatever the memo answers is what reading the head afresh answers.
+    head = _front.read_head(first, MAX_BODY)
+    assume(head is not None)
+    memo = _front._HeadMemo(first, head)
+    kind = data.draw(st.sampled_from(["length", "same", "other"]))
+    if kind == "same":
+        second = first
+    elif kind == "length":
+        digits = data.draw(st.sampled_from(["0", "7", "0012", str(MAX_BODY), str(MAX_BODY + 1), "9" * 19, "1 ",
+                                            "x", "", "١"]))
+        second = re.sub(rb"(?i)(\r\ncontent-length:[ \t]*)[^\r]*", lambda m: m[1] + digits.encode(), first, count=1)
+    else:
+        second = data.draw(_request_heads())
+    remembered = memo.read(second, MAX_BODY)
+    if remembered is not None:
+        assert remembered == _front.read_head(second, MAX_BODY)
+    if kind == "same":
+        assert remembered is head
+
+
+async def test_each_request_on_a_connection_is_checked_though_its_head_is_remembered(proxy: Proxy) -> None:
+    # The memo spares reading a head again, not checking it: a key changed between two requests of
+    # one connection is refused, a body over max_body refused, and the lengths kept apart.
+    reader, writer = await proxy.connect()
+    for said, key, status in (("one", KEY, 200), ("two", "sk-wrong", 401), ("three!", KEY, 200), ("4", KEY, 200)):
+        writer.write(chat_request(said, key=key))
+        answer = await read_answer(reader)
+        assert answer.status == status and not answer.by_aiohttp, answer
+        if status == 200:
+            assert json.loads(answer.body)["echo"] == said
+    writer.write(chat_request("x" * MAX_BODY))
+    assert (await read_answer(reader)).status == 413
+    writer.close()
 
 
 def test_a_long_head_off_the_usual_form_is_refused_without_backtracking() -> None:
