@@ -323,3 +323,116 @@ async def test_a_base_url_that_cannot_be_reached_over_http_is_an_engine_error():
     for url in ("https://127.0.0.1:8000", "http://127.0.0.1:notaport", "http://"):
         with pytest.raises(EngineConnectionError):
             await pool.request("POST", url, "/x", b"", {})
+
+
+# ---------------------------------------------------------------- answers read without the parser
+
+# llama-server's head for a chat answer (its real bytes, read off a kept-alive connection).
+_LLAMA_HEAD = (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\n"
+               b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n"
+               b"Keep-Alive: timeout=5, max=100\r\n\r\n")
+
+
+async def _answers_on_one_connection(answers: list[list[bytes]]) -> list[tuple[int, dict, bytes] | str]:
+    """Each of ``answers`` (the pieces an engine writes, with a pause between them) for one request
+    in turn on one kept-alive connection: (status, headers, body) as the pool reads them, or the
+    error's class name; and after the first answer, the connection's parser may not be used when
+    the head is the remembered one."""
+    async def handle(reader, writer):
+        for pieces in answers:
+            try:
+                await _read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.01)
+        await reader.read()
+
+    got: list[tuple[int, dict, bytes] | str] = []
+    async with _raw_engine(handle) as (url, pool):
+        for _ in answers:
+            try:
+                async with asyncio.timeout(10):  # (only reached when what is under test is broken)
+                    answer = await pool.request("POST", url, "/x", b"{}", {})
+                    body = await answer.read()
+                got.append((answer.status, dict(answer._headers), body))
+            except EngineConnectionError as exc:
+                got.append(type(exc).__name__)
+    return got
+
+
+async def test_an_answer_head_like_the_last_is_read_without_the_parser(monkeypatch):
+    # The second and third answers have the first's head but for their lengths: they are read
+    # from the memo, and the parser is fed the first answer alone.
+    fed: list[bytes] = []
+    real_parser = _upstream.httptools.HttpResponseParser
+
+    class CountingParser:
+        def __init__(self, protocol):
+            self._parser = real_parser(protocol)
+
+        def feed_data(self, data):
+            fed.append(data)
+            self._parser.feed_data(data)
+
+        def __getattr__(self, name):
+            return getattr(self._parser, name)
+
+    monkeypatch.setattr(_upstream.httptools, "HttpResponseParser", CountingParser)
+    bodies = [b'{"a": 1}', b'{"bb": 22}', b""]
+    got = await _answers_on_one_connection([[_LLAMA_HEAD % len(b) + b] for b in bodies])
+    for (status, headers, body), sent in zip(got, bodies):  # type: ignore[misc]
+        assert (status, body, headers[b"content-length"]) == (200, sent, str(len(sent)).encode())
+        assert headers[b"content-type"] == b"application/json; charset=utf-8"
+    assert fed == [_LLAMA_HEAD % 8 + b'{"a": 1}']
+
+
+async def test_a_remembered_head_with_its_body_in_pieces_is_read_whole():
+    body = b'{"text": "' + b"x" * 5000 + b'"}'
+    got = await _answers_on_one_connection([
+        [_LLAMA_HEAD % 2 + b"{}"],
+        [_LLAMA_HEAD % len(body) + body[:10], body[10:3000], body[3000:]],
+        [_LLAMA_HEAD % 2, b"{}"],  # the head alone first
+    ])
+    assert [answer[2] for answer in got] == [b"{}", body, b"{}"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("second", [
+    pytest.param(_LLAMA_HEAD.replace(b"200 OK", b"503 Service Unavailable") % 2 + b"{}", id="another-status"),
+    pytest.param(_LLAMA_HEAD.replace(b"Content-Length: %d", b"Content-Length: 0002") + b"{}", id="leading-zeros"),
+    pytest.param(_LLAMA_HEAD.replace(b"Content-Length: %d", b"Content-Length: 2 ") + b"{}", id="trailing-space"),
+    pytest.param(_LLAMA_HEAD.replace(b"max=100", b"max=99") % 2 + b"{}", id="another-header-value"),
+    pytest.param(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"9\r\ndata: 1\n\n\r\n0\r\n\r\n", id="chunked"),
+    pytest.param(_LLAMA_HEAD.replace(b"Content-Length: %d", b"Content-Length: 2\r\nConnection: close") + b"{}",
+                 id="closing"),
+])
+async def test_an_answer_after_a_remembered_head_reads_as_the_parser_reads_it(second: bytes):
+    first = _LLAMA_HEAD % 2 + b"{}"
+    after_memo = await _answers_on_one_connection([[first], [second]])
+    afresh = await _answers_on_one_connection([[second]])
+    assert after_memo[1] == afresh[0]
+
+
+async def test_more_bytes_than_a_remembered_heads_length_break_the_connection():
+    # An engine that sends more than its answer's length is not trusted with the next request
+    # (llhttp would have read the rest as an answer nobody asked for).
+    got = await _answers_on_one_connection([[_LLAMA_HEAD % 2 + b"{}"], [_LLAMA_HEAD % 2 + b"{}extra"]])
+    assert got[1] == "EngineConnectionError"
+
+
+async def test_a_remembered_heads_body_cut_short_is_an_error():
+    async def handle(reader, writer):
+        for cut in (False, True):
+            await _read_request(reader)
+            writer.write(_LLAMA_HEAD % 10 + (b"{}" if cut else b'{"a": 123}'))
+            await writer.drain()
+        writer.close()
+
+    async with _raw_engine(handle) as (url, pool):
+        assert await (await pool.request("POST", url, "/x", b"", {})).read() == b'{"a": 123}'
+        answer = await pool.request("POST", url, "/x", b"", {})  # the head is the memo's
+        with pytest.raises(EngineConnectionError, match="closed the connection"):
+            await answer.read()
