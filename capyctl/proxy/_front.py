@@ -70,7 +70,7 @@ from ._app import (
 )
 from ._errors import error_parts
 from ._routes import JSON_ROUTES, is_anthropic
-from ._upstream import EngineConnectionError, EnginePool, EngineResponse, _Connection
+from ._upstream import LENGTH_FIELD, EngineConnectionError, EnginePool, EngineResponse, _Connection, length_between
 
 try:
     import httptools
@@ -190,9 +190,6 @@ def read_head(data: bytes, max_body: int) -> _Head | None:
     return _front_head(data, _read_usual_head(data) or _read_any_head(data), max_body)
 
 
-# A Content-Length field whose value is digits alone: where a head's length sits, for _HeadMemo.
-_LENGTH_FIELD = re.compile(rb"\r\ncontent-length:[ \t]*+([0-9]++)\r\n", re.IGNORECASE)
-
 
 class _HeadMemo:
     """The last head a connection sent, read, so that the next one is not read again when it is the
@@ -206,7 +203,7 @@ class _HeadMemo:
 
     def __init__(self, data: bytes, head: _Head) -> None:
         self.head = head
-        found = _LENGTH_FIELD.search(data) if head.content_length or "content-length" in head.headers else None
+        found = LENGTH_FIELD.search(data) if head.content_length or "content-length" in head.headers else None
         if found is None:  # no length field (a GET): only the very same bytes match
             self.prefix, self.suffix = data, b""
         else:
@@ -214,14 +211,13 @@ class _HeadMemo:
 
     def read(self, data: bytes, max_body: int) -> _Head | None:
         """``data``'s head if it is the remembered one but for its length's digits; else None."""
-        prefix, suffix, head = self.prefix, self.suffix, self.head
-        if not suffix:
-            return head if data == prefix else None
-        if not (data.startswith(prefix) and data.endswith(suffix)):
+        head = self.head
+        if not self.suffix:
+            return head if data == self.prefix else None
+        found = length_between(data, self.prefix, self.suffix)
+        if found is None or found[0] != len(data):
             return None
-        digits = data[len(prefix):len(data) - len(suffix)]
-        if not (digits.isdigit() and len(digits) <= 18):  # (bytes.isdigit: ASCII digits alone)
-            return None
+        digits = found[1]
         length = int(digits)
         if length == head.content_length and len(data) == head.size:
             return head

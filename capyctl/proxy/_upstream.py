@@ -53,8 +53,23 @@ class EngineConnectionError(ConnectionError):
     """The engine could not be reached, or its connection broke before the answer was whole."""
 
 
-# A Content-Length field whose value is digits alone: where an answer head's length sits.
-_LENGTH_FIELD = re.compile(rb"\r\ncontent-length:[ \t]*+([0-9]++)\r\n", re.IGNORECASE)
+# A Content-Length field whose value is digits alone: where a head's length sits, for the memos
+# of heads that repeat but for their lengths (_AnswerHeadMemo; the front's _HeadMemo).
+LENGTH_FIELD = re.compile(rb"\r\ncontent-length:[ \t]*+([0-9]++)\r\n", re.IGNORECASE)
+
+
+def length_between(data: bytes, prefix: bytes, suffix: bytes) -> tuple[int, bytes] | None:
+    """(where the head ends, its length's digits) when ``data`` starts with a head that is
+    ``prefix``, digits (at most 18: llhttp takes leading zeros, int() no end of them) and ``suffix``
+    (a remembered head's parts around its LENGTH_FIELD); else None."""
+    if not data.startswith(prefix):
+        return None
+    start = len(prefix)
+    end = data.find(b"\r\n", start)
+    digits = data[start:end]
+    if end < 0 or not data.startswith(suffix, end) or not (digits.isdigit() and len(digits) <= 18):
+        return None  # (bytes.isdigit: ASCII digits alone)
+    return end + len(suffix), digits
 
 
 class _AnswerHeadMemo:
@@ -80,7 +95,7 @@ class _AnswerHeadMemo:
         if (not response._keep_alive or b"transfer-encoding" in headers or b"content-length" not in headers
                 or response.status < 200 or response.status in (204, 304)):
             return None
-        found = _LENGTH_FIELD.search(head)
+        found = LENGTH_FIELD.search(head)
         if found is None or found[1] != headers[b"content-length"]:  # (a second length, say)
             return None
         return cls(head[:found.start(1)], head[found.end(1):], response.status, headers)
@@ -88,15 +103,7 @@ class _AnswerHeadMemo:
     def read(self, data: bytes) -> tuple[int, bytes] | None:
         """(where the head ends in ``data``, the length's digits) when ``data`` starts with the
         remembered head but for its length; else None."""
-        prefix = self.prefix
-        if not data.startswith(prefix):
-            return None
-        start = len(prefix)
-        end = data.find(b"\r\n", start)
-        digits = data[start:end]
-        if end < 0 or not data.startswith(self.suffix, end) or not (digits.isdigit() and len(digits) <= 18):
-            return None
-        return end + len(self.suffix), digits
+        return length_between(data, self.prefix, self.suffix)
 
 
 class _Connection(asyncio.Protocol):
