@@ -190,7 +190,6 @@ def read_head(data: bytes, max_body: int) -> _Head | None:
     return _front_head(data, _read_usual_head(data) or _read_any_head(data), max_body)
 
 
-
 class _HeadMemo:
     """The last head a connection sent, read, so that the next one is not read again when it is the
     same bytes but for its Content-Length's digits: a client's SDK sends one head per route and key,
@@ -204,7 +203,8 @@ class _HeadMemo:
     def __init__(self, data: bytes, head: _Head) -> None:
         self.head = head
         found = LENGTH_FIELD.search(data) if head.content_length or "content-length" in head.headers else None
-        if found is None:  # no length field (a GET): only the very same bytes match
+        if found is None or found[1].decode() != head.headers.get("content-length"):
+            # No length field (a GET), or one not in the plain form: only the very same bytes match.
             self.prefix, self.suffix = data, b""
         else:
             self.prefix, self.suffix = data[:found.start(1)], data[found.end(1):]

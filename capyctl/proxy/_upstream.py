@@ -207,7 +207,8 @@ class _Connection(asyncio.Protocol):
         response._until_close = False
         self._body_left = int(digits)
         response._wake_headers()
-        self._count_body(response, data[end:])
+        if self._response is response:  # (the head alone may end it: the lane refusing a launch key)
+            self._count_body(response, data[end:])
 
     def _count_body(self, response: EngineResponse, data: bytes) -> None:
         left = self._body_left
