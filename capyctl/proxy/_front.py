@@ -70,7 +70,8 @@ from ._app import (
 )
 from ._errors import error_parts
 from ._routes import JSON_ROUTES, is_anthropic
-from ._upstream import LENGTH_FIELD, EngineConnectionError, EnginePool, EngineResponse, _Connection, length_between
+from ._upstream import (EngineConnectionError, EnginePool, EngineResponse, _Connection, length_between,
+                        split_at_length)
 
 try:
     import httptools
@@ -202,12 +203,10 @@ class _HeadMemo:
 
     def __init__(self, data: bytes, head: _Head) -> None:
         self.head = head
-        found = LENGTH_FIELD.search(data) if head.content_length or "content-length" in head.headers else None
-        if found is None or found[1].decode() != head.headers.get("content-length"):
-            # No length field (a GET), or one not in the plain form: only the very same bytes match.
-            self.prefix, self.suffix = data, b""
-        else:
-            self.prefix, self.suffix = data[:found.start(1)], data[found.end(1):]
+        length = head.headers.get("content-length")
+        parts = split_at_length(data, length.encode("latin-1")) if length is not None else None
+        # No length field (a GET), or one not in the plain form: only the very same bytes match.
+        self.prefix, self.suffix = parts if parts is not None else (data, b"")
 
     def read(self, data: bytes, max_body: int) -> _Head | None:
         """``data``'s head if it is the remembered one but for its length's digits; else None."""

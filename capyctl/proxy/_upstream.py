@@ -55,13 +55,22 @@ class EngineConnectionError(ConnectionError):
 
 # A Content-Length field whose value is digits alone: where a head's length sits, for the memos
 # of heads that repeat but for their lengths (_AnswerHeadMemo; the front's _HeadMemo).
-LENGTH_FIELD = re.compile(rb"\r\ncontent-length:[ \t]*+([0-9]++)\r\n", re.IGNORECASE)
+_LENGTH_FIELD = re.compile(rb"\r\ncontent-length:[ \t]*+([0-9]++)\r\n", re.IGNORECASE)
+
+
+def split_at_length(head: bytes, length: bytes) -> tuple[bytes, bytes] | None:
+    """``head``'s bytes before and after its Content-Length's digits, when the field in the plain
+    form is the one a parser read as ``length``; else None (no such field, or another form)."""
+    found = _LENGTH_FIELD.search(head)
+    if found is None or found[1] != length:
+        return None
+    return head[:found.start(1)], head[found.end(1):]
 
 
 def length_between(data: bytes, prefix: bytes, suffix: bytes) -> tuple[int, bytes] | None:
     """(where the head ends, its length's digits) when ``data`` starts with a head that is
     ``prefix``, digits (at most 18: llhttp takes leading zeros, int() no end of them) and ``suffix``
-    (a remembered head's parts around its LENGTH_FIELD); else None."""
+    (a remembered head's parts around its length: split_at_length); else None."""
     if not data.startswith(prefix):
         return None
     start = len(prefix)
@@ -95,10 +104,8 @@ class _AnswerHeadMemo:
         if (not response._keep_alive or b"transfer-encoding" in headers or b"content-length" not in headers
                 or response.status < 200 or response.status in (204, 304)):
             return None
-        found = LENGTH_FIELD.search(head)
-        if found is None or found[1] != headers[b"content-length"]:  # (a second length, say)
-            return None
-        return cls(head[:found.start(1)], head[found.end(1):], response.status, headers)
+        parts = split_at_length(head, headers[b"content-length"])
+        return cls(*parts, response.status, headers) if parts is not None else None
 
     def read(self, data: bytes) -> tuple[int, bytes] | None:
         """(where the head ends in ``data``, the length's digits) when ``data`` starts with the
