@@ -336,8 +336,7 @@ _LLAMA_HEAD = (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Or
 async def _answers_on_one_connection(answers: list[list[bytes]]) -> list[tuple[int, dict, bytes] | str]:
     """Each of ``answers`` (the pieces an engine writes, with a pause between them) for one request
     in turn on one kept-alive connection: (status, headers, body) as the pool reads them, or the
-    error's class name; and after the first answer, the connection's parser may not be used when
-    the head is the remembered one."""
+    error's class name."""
     async def handle(reader, writer):
         for pieces in answers:
             try:
