@@ -65,6 +65,14 @@ class DaemonConfig:
     admin_token: str | None = None
     queue_per_deployment: int = 64
     queue_total: int = 256
+    # Deployments that cannot be resident together take turns (controller/_room.py): a resident one
+    # stops taking new requests once another has waited swap_quantum seconds for its room; no
+    # deployment waits for room longer than swap_wait_max; "batches" or "arrival" (config_file.SwapConfig).
+    swap_quantum: float = 5.0
+    swap_wait_max: float = 30.0
+    swap_order: str = "batches"
+    # SSE comment lines to a streamed request while it waits for room or a wake.
+    wait_progress: bool = True
     # RAM kept free for the host itself when CPU deployments are budgeted.
     host_ram_reserve: int = 1 << 30
     # Or, instead, the RAM CapyCTL may budget on each host (the rest is the reserve); None: unset.

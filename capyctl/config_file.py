@@ -50,6 +50,21 @@ class QueueConfig(_Strict):
                                             "`queue` says (the smaller of the two applies); more get 429.")
 
 
+class SwapConfig(_Strict):
+    """How deployments that cannot be resident together take turns (docs/engines-and-parking.md)."""
+
+    quantum: Duration = Field(default=5.0, ge=0, le=3600,
+                              description="Once a deployment has waited this long for room held by busy ones, "
+                                          "those stop taking new requests, finish what they have, and park.")
+    wait_max: Duration = Field(default=30.0, gt=0, le=86_400,
+                               description="Longest a deployment waits for room held by busy ones; past it its "
+                                           "requests get 503 `room_wait_timeout` with Retry-After.")
+    order: Literal["batches", "arrival"] = Field(
+        default="batches", description="batches: a woken deployment serves every request queued for it before "
+        "it yields; arrival: requests are served in arrival order, one swap each time the model changes "
+        "(llama-swap's and Ollama's way; a baseline for benchmarks/contention.py).")
+
+
 class HostConfig(_Strict):
     dev_controls: bool = Field(
         default=True, description="Allow engine development controls on this host (vLLM sleep mode, SGLang "
@@ -68,6 +83,10 @@ class ConfigFile(_Strict):
     ram_budget: Size | None = Field(default=None, description="Host RAM CapyCTL may budget for deployments; "
                                     "the rest is kept for the host. Not with ram_reserve.")
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    swap: SwapConfig = Field(default_factory=SwapConfig)
+    wait_progress: bool = Field(default=True, description="A streamed request that waits for room or a wake gets "
+                                "SSE comment lines (`: waking NAME: ...`) at most every second until the engine "
+                                "answers; false: it waits silently, as a non-streamed request does.")
     idle_park_after: Duration | None = Field(default=None, description="Park a deployment after this long "
                                              "without a request when its manifest sets no idle_park_after.")
     admin_token_file: Path | None = Field(default=None, description="File holding the admin token (created "
@@ -107,7 +126,8 @@ class ConfigFile(_Strict):
 
 
 # Fields a reload applies to the running daemon; any other change is reported as needing a restart.
-LIVE_FIELDS = ("log_level", "ram_reserve", "ram_budget", "queue", "idle_park_after", "hosts")
+LIVE_FIELDS = ("log_level", "ram_reserve", "ram_budget", "queue", "swap", "wait_progress", "idle_park_after",
+               "hosts")
 RESTART_FIELDS = ("listen", "admin_token_file")
 
 
@@ -167,6 +187,10 @@ def apply(config: DaemonConfig, file: ConfigFile, overrides: Overrides) -> None:
     config.log_level = overrides.log_level or file.log_level
     config.queue_total = file.queue.total
     config.queue_per_deployment = file.queue.per_deployment
+    config.swap_quantum = file.swap.quantum
+    config.swap_wait_max = file.swap.wait_max
+    config.swap_order = file.swap.order
+    config.wait_progress = file.wait_progress
     config.host_ram_reserve = file.ram_reserve if file.ram_reserve is not None else DaemonConfig.host_ram_reserve
     config.host_ram_budget = file.ram_budget
     config.idle_park_after = file.idle_park_after

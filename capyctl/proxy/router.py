@@ -102,15 +102,21 @@ class Router(Protocol):
     def models(self) -> list[ModelEntry]:
         """Every deployment and alias, with its state. Must not wake anything."""
 
-    def acquire(self, model: str) -> AsyncContextManager[Upstream]:
+    def acquire(self, model: str, progress: Callable[[str], None] | None = None) -> AsyncContextManager[Upstream]:
         """Admission for one request to ``model``.
 
         Entering waits until the deployment is ready (joining a wake already under way,
-        or starting one, making room first) and marks one request in flight; leaving
-        releases it. Raises ``capyctl.errors.CapyError`` subclasses:
-        ``model_not_found`` (404), ``queue_full`` (429, ``retry_after`` set),
-        ``wake_failed`` / ``wake_timeout`` / ``deployment_failed`` (503).
+        or starting one, making room first, waiting its turn while busy deployments hold
+        the room) and marks one request in flight; leaving releases it. Raises
+        ``capyctl.errors.CapyError`` subclasses: ``model_not_found`` (404), ``queue_full``
+        (429, ``retry_after`` set), ``wake_failed`` / ``wake_timeout`` / ``deployment_failed``
+        / ``room_wait_timeout`` (503, ``retry_after`` set where a retry may succeed).
         Cancelling the waiting task (client gone) removes it from the queue.
+
+        ``progress``, when given, is called (on the event loop, never awaited) with a short
+        line each time the wait moves on, such as ``"waiting for smollm2: 2 requests ahead"``
+        or ``"waking smollm2: unit started"``; never once the request is admitted, and not at
+        all when it is admitted without waiting. The proxy turns them into SSE comments.
         """
 
     def stats(self) -> dict[str, dict[str, float]]:
