@@ -8,14 +8,16 @@ starting or waking a deployment asks
 ``plan(Request, ledger, [Candidate...], now)`` for a ``Plan``: the host, the cards, and the victims
 to park or stop first. ``Ledger.apply(plan, request)`` records the plan once it is carried out.
 ``idle_to_park(candidates, now)`` lists deployments due to park after their idle time.
+``plan_when_idle`` tells a wake that may wait for busy deployments' room from one that never fits.
 """
 
 from ._ledger import Ledger, Placement
 from ._model import (FULL_STATES, STATES, Candidate, Domain, Footprint, GpuCard, HostResources, NoRoom, Plan,
                      Request, Victim, format_size, gpu_domain, ram_domain)
-from ._planner import idle_to_park, plan
+from ._planner import idle_to_park, plan, plan_when_idle
 
 __all__ = [
     "FULL_STATES", "STATES", "Candidate", "Domain", "Footprint", "GpuCard", "HostResources", "Ledger", "NoRoom",
-    "Placement", "Plan", "Request", "Victim", "format_size", "gpu_domain", "idle_to_park", "plan", "ram_domain",
+    "Placement", "Plan", "Request", "Victim", "format_size", "gpu_domain", "idle_to_park", "plan", "plan_when_idle",
+    "ram_domain",
 ]

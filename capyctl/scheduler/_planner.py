@@ -15,7 +15,7 @@ are solved in microseconds to milliseconds, see benchmarks/planner.py.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 from math import comb
 from typing import Iterable, Sequence
@@ -124,6 +124,33 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
     option, chosen, slack = best
     return Plan(request.deployment, option.host, option.gpus,
                 _actions(ledger, option.host, chosen, slack[ram_domain(option.host)]))
+
+
+# States in which a deployment is about to hold its memory (starting, waking) or to give it back
+# (parking, stopping) on its own: a wake waits for it as for a busy one.
+_IN_TRANSITION = frozenset({"starting", "waking", "parking", "stopping"})
+
+
+def plan_when_idle(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now: float) -> Plan:
+    """The plan ``plan`` would make for ``request`` once every deployment that may be evicted is
+    idle: busy ones done with their requests, those in transition ready. Its victims are who must
+    yield the room, the busy ones among them included. Raises ``NoRoom`` when even that is not
+    enough: room that waiting will never bring (deployments that are never evicted, memory used
+    outside CapyCTL, a host too small).
+
+    The controller asks when ``plan`` found no room, to tell a wake that should wait its turn
+    (controller/_turns.py) from one that cannot succeed."""
+    trial = ledger.copy()
+    idle = []
+    for c in candidates:
+        state = c.state
+        placed = trial.get(c.deployment)
+        if c.deployment != request.deployment and not c.never_evict and placed is not None \
+                and placed.state in _IN_TRANSITION:
+            trial.set_state(c.deployment, "ready")
+            state = "ready"
+        idle.append(replace(c, state=state, busy=False))
+    return plan(request, trial, idle, now)
 
 
 def idle_to_park(deployments: Iterable[Candidate], now: float) -> list[str]:

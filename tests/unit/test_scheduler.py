@@ -355,3 +355,37 @@ def test_a_wake_in_place_does_not_lend_its_surplus_host_ram_to_a_victims_park() 
     after.apply(result, Request("sleeper", waking))
     after.confirm_released("victim")
     assert after.overcommitted() == []
+
+
+# -- waiting for room held by busy deployments (plan_when_idle) ------------------------------------
+
+def test_plan_when_idle_names_the_busy_deployment_that_must_yield() -> None:
+    from capyctl.scheduler import plan_when_idle
+    ledger = one_host(cards=(), ram=8, reserve=4)  # 4 GiB: one of the two fits
+    ledger.place("a", Footprint(0, None, 3 * GiB), "gpu1", (), "ready")
+    candidates = [ready("a", 10.0, busy=True)]
+    request = Request("b", Footprint(0, None, 3 * GiB))
+    with pytest.raises(NoRoom):  # now: a is busy
+        plan(request, ledger, candidates, NOW)
+    later = plan_when_idle(request, ledger, candidates, NOW)
+    assert later.victims == (Victim("a", "stop"),)
+
+
+def test_plan_when_idle_waits_for_deployments_in_transition_too() -> None:
+    from capyctl.scheduler import plan_when_idle
+    ledger = one_host(cards=(), ram=8, reserve=4)
+    ledger.place("a", Footprint(0, None, 3 * GiB), "gpu1", (), "waking")
+    request = Request("b", Footprint(0, None, 3 * GiB))
+    assert plan_when_idle(request, ledger, [Candidate("a", "waking", 10.0)], NOW).victims == (Victim("a", "stop"),)
+    assert ledger.get("a").state == "waking"  # a what-if: the ledger itself is unchanged
+
+
+def test_plan_when_idle_refuses_room_that_waiting_never_brings() -> None:
+    from capyctl.scheduler import plan_when_idle
+    ledger = one_host(cards=(), ram=8, reserve=4)
+    ledger.place("a", Footprint(0, None, 3 * GiB), "gpu1", (), "ready")
+    request = Request("b", Footprint(0, None, 3 * GiB))
+    with pytest.raises(NoRoom):  # park: never
+        plan_when_idle(request, ledger, [ready("a", 10.0, busy=True, never_evict=True)], NOW)
+    with pytest.raises(NoRoom):  # larger than the host
+        plan_when_idle(Request("c", Footprint(0, None, 5 * GiB)), ledger, [ready("a", 10.0, busy=True)], NOW)
