@@ -3,6 +3,9 @@
 Every change of state goes through the actor's command queue, so two requests never race a
 wake and a park never cuts a request short. Requests do not change state: they only count
 themselves (waiting, in flight) and ask for a wake, joining the one already under way.
+
+A ready deployment whose room another waits for closes its door (controller/_turns.py): the
+requests already waiting still enter, new ones wait for its next turn; they do not make it busy.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ._liveness import Liveness, hung_stop_grace
 from ._members import UnitMembers, group_members
 from ._memory import gpu_order_environment
 from ._services import DeploymentServices
+from ._turns import Pulse, RoomWaitTimeout, WakeCancelled, wait_for_beat
 
 log = logging.getLogger("capyctl.controller")
 
@@ -120,6 +124,13 @@ class DeploymentActor:
         self.journal: list[str] = []
         self.in_flight = 0
         self.waiting = 0
+        # Waiting requests by ticket (their place in the daemon's order), and the first ticket the
+        # door no longer admits while another deployment waits for this one's room (None: open).
+        self._waiting_tickets: set[int] = set()
+        self._door_mark: int | None = None
+        self._door_pulse = Pulse()  # beats when the door opens or the state changes
+        # What waiting requests are told of their wait (Router.acquire's progress), while they wait.
+        self._waiting_listeners: list[Progress] = []
         self.last_used = 0.0
         self.failures = 0
         self.failed_at = 0.0
@@ -188,7 +199,13 @@ class DeploymentActor:
 
     @property
     def busy(self) -> bool:
-        return self.in_flight > 0 or self.waiting > 0
+        """Requests in flight or waiting to enter: it is not parked or evicted then. Requests held
+        at its closed door wait for its next turn, and do not count."""
+        if self.in_flight > 0:
+            return True
+        if self._door_mark is None:
+            return self.waiting > 0
+        return any(ticket < self._door_mark for ticket in self._waiting_tickets)
 
     @property
     def has_pending_commands(self) -> bool:
@@ -281,16 +298,19 @@ class DeploymentActor:
     def admit_now(self) -> bool:
         """Admit one request at once if nothing stands in its way (ready, no command queued, its
         hosts usable); False, with nothing marked, when it must go through ``admit``."""
-        if self.state == READY and self._commands.empty() and self.controller.placement_error(self) is None:
+        if self.state == READY and self._commands.empty() and self._door_mark is None \
+                and self.controller.placement_error(self) is None:
             self._enter()
             return True
         return False
 
-    async def admit(self) -> None:
+    async def admit(self, progress: Progress | None = None) -> None:
+        """Wait until this request may enter (ready, nothing queued before it, the door open for
+        it), waking the deployment if needed; ``progress`` hears of the wait as it goes."""
         blocked = self.controller.placement_error(self)
         if blocked is not None:
             raise blocked
-        if self.state == READY and self._commands.empty():
+        if self.state == READY and self._commands.empty() and self._door_mark is None:
             self._enter()
             return
         if self.state == FAILED and time.monotonic() - self.failed_at < self._backoff():
@@ -303,27 +323,87 @@ class DeploymentActor:
         if self.controller.total_waiting() >= self.controller.queue_total:
             raise QueueFull(f"{self.controller.total_waiting()} requests are waiting across all deployments, "
                             "the limit", retry_after=self._retry_after())
+        ticket = self.controller.admission_ticket()
         self.waiting += 1
+        self._waiting_tickets.add(ticket)
+        if progress is not None:
+            self._waiting_listeners.append(progress)
         self._idle.clear()
         try:
-            deadline = time.monotonic() + self.spec.timeouts.wake
-            while self.state != READY or not self._commands.empty():
+            # Room held by busy deployments is waited for (swap.wait_max), then the wake itself.
+            bound = self.controller.room_wait_max + self.spec.timeouts.wake
+            deadline = time.monotonic() + bound
+            told_door = False
+            while True:
+                if self.state == READY and self._commands.empty():
+                    if self._door_mark is None or ticket < self._door_mark:
+                        break
+                    beat = self._door_pulse.waiter()
+                    if progress is not None and not told_door:
+                        progress(f"waiting for {self.name}: {self.in_flight + self._admitted_waiting()} "
+                                 "requests ahead, then another model's turn")
+                        told_door = True
+                    await self._wait_at_door(beat, deadline)
+                    continue
                 future = self._request_wake()
                 remaining = deadline - time.monotonic()
                 try:
                     await asyncio.wait_for(asyncio.shield(future), timeout=max(remaining, 0.001))
                 except asyncio.TimeoutError:
                     raise Unavailable(f"deployment {self.name!r} did not become ready within "
-                                      f"{self.spec.timeouts.wake:.0f}s", code="wake_timeout",
+                                      f"{bound:.0f}s", code="wake_timeout",
                                       retry_after=5) from None
+                except (RoomWaitTimeout, WakeCancelled):
+                    raise  # its own code and Retry-After: the deployment did not fail
                 except CapyError as exc:
                     raise Unavailable(f"deployment {self.name!r} could not be woken: {exc.message}",
                                       code="wake_failed", detail={"cause": exc.code}) from None
-                if self.state == READY:
-                    break
         finally:
             self.waiting -= 1
+            self._waiting_tickets.discard(ticket)
+            if progress is not None:
+                self._waiting_listeners.remove(progress)
+            if not self.busy:
+                self._idle.set()
+                self.controller.room_changed()
         self._enter()
+
+    def _admitted_waiting(self) -> int:
+        mark = self._door_mark
+        return sum(1 for ticket in self._waiting_tickets if mark is None or ticket < mark)
+
+    async def _wait_at_door(self, beat: asyncio.Future, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RoomWaitTimeout(f"deployment {self.name!r} kept yielding its turn to others past this "
+                                  "request's wait bound", retry_after=1.0)
+        await wait_for_beat(beat, remaining)
+
+    # -- taking turns (controller/_turns.py) ------------------------------------------------------
+
+    def close_door(self, mark: int) -> None:
+        """Admit only the waiting requests whose ticket is below ``mark``; later ones wait for the
+        door to open (another deployment's turn comes first)."""
+        self._door_mark = mark if self._door_mark is None else min(self._door_mark, mark)
+        if not self.busy:
+            self._idle.set()
+            self.controller.room_changed()
+
+    def open_door(self) -> None:
+        if self._door_mark is not None:
+            self._door_mark = None
+            self._door_pulse.beat()
+
+    def oldest_ticket(self) -> int | None:
+        return min(self._waiting_tickets, default=None)
+
+    def _tell_waiting(self, line: str) -> None:
+        """A wake's progress, to every request waiting for it."""
+        for listener in list(self._waiting_listeners):
+            try:
+                listener(f"waking {self.name}: {line}")
+            except Exception:  # a listener is the proxy's; it must not break the wake
+                log.warning("deployment %s: a waiting request's progress listener failed", self.name, exc_info=True)
 
     def _enter(self) -> None:
         self.in_flight += 1
@@ -335,6 +415,7 @@ class DeploymentActor:
         self.last_used = time.time()
         if not self.busy:
             self._idle.set()
+            self.controller.room_changed()
 
     def _retry_after(self) -> float:
         return 1.0 if self.state == READY else 5.0
@@ -344,7 +425,7 @@ class DeploymentActor:
 
     def _request_wake(self) -> asyncio.Future:
         if self._wake_future is None or self._wake_future.done():
-            self._wake_future = self.submit("wake")
+            self._wake_future = self.submit("wake", progress=self._tell_waiting)
         return self._wake_future
 
     # -- commands -----------------------------------------------------------------------------
@@ -385,6 +466,7 @@ class DeploymentActor:
             log.info("deployment %s: %s -> %s%s", self.name, self.state, state, f" ({reason})" if reason else "")
         self.state = state
         self.reason = reason
+        self._door_pulse.beat()
         self.liveness.follow(state == READY)
         if persist:
             self.controller.record_runtime(
@@ -447,6 +529,8 @@ class DeploymentActor:
         """A start or wake that times out or errs fails the deployment (stopping its unit)."""
         try:
             yield
+        except (RoomWaitTimeout, WakeCancelled):
+            raise  # it waited for room busy deployments hold, and left its state as it was
         except asyncio.TimeoutError:
             await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
             raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")

@@ -28,12 +28,16 @@ from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, STARTING, WAKING, Bu
 from ._hosts import LOCAL, HostRegistry
 from . import _parking as parking
 from ._memory import MemoryPlanner, refresh_gpus, wait_released
+from ._turns import RoomWaitTimeout, Turns, WakeCancelled, wait_for_beat
 from ._parking import park_stats
 from ._memory import measure as measure_memory
 
 log = logging.getLogger("capyctl.controller")
 
 IDLE_CHECK_INTERVAL_S = 1.0
+# A wake waiting for room plans again at every change (Turns.changed) and at least this often,
+# so that a change nobody announced (memory freed outside CapyCTL) is seen too.
+ROOM_RECHECK_S = 1.0
 
 
 class Controller:
@@ -45,6 +49,7 @@ class Controller:
         self.actors: dict[str, DeploymentActor] = {}
         self.http: aiohttp.ClientSession | None = None
         self.memory = MemoryPlanner(config)
+        self.turns = Turns(config)  # deployments waiting for room held by busy ones (_turns.py)
         self.hosts = HostRegistry(store, self.paths.runtime_dir, systemd, ram_reserve=config.host_ram_reserve,
                                   on_offline=self._host_offline, on_online=self._host_online,
                                   on_resources=self._host_resources)
@@ -577,37 +582,83 @@ class Controller:
     # -- making room --------------------------------------------------------------------------------
 
     async def make_room(self, actor: DeploymentActor, progress: Progress) -> None:
-        """Park or stop idle deployments until ``actor`` fits; busy ones are never touched."""
-        async with self._placement_lock:
-            for attempt in range(5):
-                hosts = self.allowed_hosts(actor)
-                # GPU memory of stopped deployments counts until NVML shows it free (_memory.py).
-                gpu_hosts = tuple(actor.spec.hosts[:actor.spec.nodes]) if actor.spec.nodes > 1 else hosts
-                await refresh_gpus(self, gpu_hosts)
-                try:
-                    victims = self.memory.plan(actor, list(self.actors.values()), time.time(), hosts)
-                except NoRoom:
-                    if not await wait_released(self, gpu_hosts):
-                        raise
-                    victims = self.memory.plan(actor, list(self.actors.values()), time.time(), hosts)
-                if not victims:
-                    actor.host = self.memory.planned_host(actor) or hosts[0]
-                    self.memory.charge(actor)
+        """Park or stop idle deployments until ``actor`` fits; busy ones are never touched. Where
+        busy deployments hold the room, wait for it in line (controller/_turns.py), at most
+        ``swap.wait_max``; raises NoRoom at once where waiting would not bring it."""
+        try:
+            await self._make_room(actor, progress)
+        finally:
+            self.turns.leave(actor.name, self.actors)
+
+    async def _make_room(self, actor: DeploymentActor, progress: Progress) -> None:
+        told = ""
+        while True:
+            beat = self.turns.beat()  # before looking: a change while we look is not missed
+            async with self._placement_lock:
+                placed, yielders = await self._place(actor, progress)
+                if placed:
                     return
-                try:
-                    for victim, action in victims:
-                        progress(f"making room: {action} {victim.name}")
-                        await asyncio.wait_for(
-                            # Parking a stop-only engine stops its unit; "stop" here only
-                            # forbids an in-place park whose weights would not fit in RAM.
-                            victim.submit("park", evicting=True, in_place_ok=action == "park",
-                                          reason=f"made room for {actor.name}"),
-                            timeout=victim.spec.timeouts.park + victim.spec.timeouts.stop + 5)
-                        self.evictions[victim.name] = self.evictions.get(victim.name, 0) + 1
-                except Busy:
-                    continue  # a victim got a request meanwhile: plan again
-            raise Unavailable(f"could not make room for {actor.name!r}: deployments kept becoming busy",
-                              code="no_room")
+                since = self.turns.join(actor.name)
+                closed = self.turns.yield_to(actor.name, yielders, actor)
+                if closed:
+                    log.info("deployment %s: waited %.1fs for room; %s finish what they have, then yield",
+                             actor.name, time.monotonic() - since, ", ".join(closed))
+            waited = time.monotonic() - since
+            if waited >= self.turns.wait_max:
+                raise RoomWaitTimeout(
+                    f"deployment {actor.name!r} waited {waited:.0f}s for room held by busy deployments "
+                    f"(swap.wait_max is {self.turns.wait_max:.0f}s)",
+                    retry_after=max(1.0, self.turns.quantum), detail={"waited": round(waited, 3)})
+            ahead = self.turns.ahead_of(actor.name)
+            note = (f"waiting for room held by {', '.join(sorted(y.name for y in yielders))}" if yielders
+                    else "waiting for its turn to make room") + (f"; {ahead} deployment(s) ahead" if ahead else "")
+            if note != told:
+                progress(note)
+                told = note
+            if actor.has_pending_commands:
+                raise WakeCancelled(f"deployment {actor.name!r} was asked to do something else while it waited "
+                                    "for room", retry_after=1.0)
+            # Look again at the next change, when the quantum is up, and at least every ROOM_RECHECK_S.
+            until_quantum = self.turns.quantum - waited
+            await wait_for_beat(beat, min(self.turns.wait_max - waited, ROOM_RECHECK_S,
+                                          until_quantum if until_quantum > 0 else ROOM_RECHECK_S))
+
+    async def _place(self, actor: DeploymentActor, progress: Progress) -> tuple[bool, list[DeploymentActor]]:
+        """Under the placement lock: plan ``actor``'s placement, evict idle victims and plan again
+        until it fits (True, []) or must wait: (False, the deployments that must yield the room,
+        or [] when only its turn in line is missing). Raises NoRoom when waiting would not help.
+        The lock is held from the evictions to the charge, so the room they free is not taken by
+        another wake (the victims' own, say) in between."""
+        while True:
+            hosts = self.allowed_hosts(actor)
+            # GPU memory of stopped deployments counts until NVML shows it free (_memory.py).
+            gpu_hosts = tuple(actor.spec.hosts[:actor.spec.nodes]) if actor.spec.nodes > 1 else hosts
+            await refresh_gpus(self, gpu_hosts)
+            actors = list(self.actors.values())
+            try:
+                victims = self.memory.plan(actor, actors, time.time(), hosts)
+            except NoRoom:
+                if await wait_released(self, gpu_hosts):
+                    continue
+                return False, self.memory.yielders(actor, actors, time.time(), hosts)
+            if not victims:
+                actor.host = self.memory.planned_host(actor) or hosts[0]
+                self.memory.charge(actor)
+                return True, []
+            if not self.turns.may_evict(actor.name):
+                return False, []  # an older wake waits for room: it evicts first
+            try:
+                for victim, action in victims:
+                    progress(f"making room: {action} {victim.name}")
+                    await asyncio.wait_for(
+                        # Parking a stop-only engine stops its unit; "stop" here only
+                        # forbids an in-place park whose weights would not fit in RAM.
+                        victim.submit("park", evicting=True, in_place_ok=action == "park",
+                                      reason=f"made room for {actor.name}"),
+                        timeout=victim.spec.timeouts.park + victim.spec.timeouts.stop + 5)
+                    self.evictions[victim.name] = self.evictions.get(victim.name, 0) + 1
+            except Busy:
+                pass  # a victim got a request meanwhile: plan again
 
     def subscribe(self, listener: Callable[[DeploymentActor], None]) -> Callable[[], None]:
         """Call ``listener(actor)`` on every change of a deployment's state, and when one is deployed or
@@ -624,6 +675,7 @@ class Controller:
 
     def on_state_change(self, actor: DeploymentActor) -> None:
         self.memory.observe(actor)
+        self.turns.changed()
         if actor.state in (STARTING, WAKING):
             self._wake_started.setdefault(actor.name, time.monotonic())
         elif actor.name in self._wake_started:
@@ -745,9 +797,9 @@ class Controller:
         return (actor.upstream(), actor.release) if actor.admit_now() else None
 
     @asynccontextmanager
-    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
+    async def acquire(self, model: str, progress: Callable[[str], None] | None = None) -> AsyncIterator[Upstream]:
         actor = self._lookup(model)
-        await actor.admit()
+        await actor.admit(progress)
         try:
             yield actor.upstream()
         finally:
@@ -796,6 +848,16 @@ class Controller:
 
     def total_waiting(self) -> int:
         return sum(a.waiting for a in self.actors.values())
+
+    def admission_ticket(self) -> int:
+        return self.turns.ticket()
+
+    def room_changed(self) -> None:
+        self.turns.changed()
+
+    @property
+    def room_wait_max(self) -> float:
+        return self.turns.wait_max
 
     # -- management operations ----------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from ..errors import CapyError
 from ..scheduler import (Candidate, Footprint, GpuCard, HostResources, Ledger, Plan, Request, gpu_domain,
                          ram_domain)
 from ..scheduler import plan as plan_placement
+from ..scheduler import plan_when_idle
 from ..spec import parse_size
 
 from ._services import PlacedDeployment
@@ -258,6 +259,20 @@ class MemoryPlanner:
         """Victims to evict before ``actor`` can start on one of ``hosts``: [(actor, "park" | "stop")].
         A multi-node group places one member on each of its manifest's first ``nodes`` hosts.
         Raises NoRoom. ``planned_host`` tells where the plan puts it."""
+        victims, plans = self._plan(actor, actors, now, hosts, plan_placement)
+        self._last_plan = (actor.name, plans)
+        return victims
+
+    def yielders(self, actor: PlacedDeployment, actors: list[PlacedDeployment], now: float,
+                 hosts: tuple[str, ...] = (LOCAL,)) -> list[PlacedDeployment]:
+        """After ``plan`` found no room: who must yield it once idle (busy deployments, and those
+        starting, waking or parking among them), as ``scheduler.plan_when_idle`` sees it. Raises
+        NoRoom when waiting for them would not bring the room either. Records no plan."""
+        victims, _ = self._plan(actor, actors, now, hosts, plan_when_idle)
+        return [victim for victim, _action in victims]
+
+    def _plan(self, actor: PlacedDeployment, actors: list[PlacedDeployment], now: float,
+              hosts: tuple[str, ...], planner: Any) -> tuple[list, list[tuple[Plan, Request]]]:
         for other in actors:
             self.observe(other)
         fp = self.footprint(actor)
@@ -277,7 +292,7 @@ class MemoryPlanner:
         plans: list[tuple[Plan, Request]] = []
         victims: dict[str, str] = {}
         for request in requests:
-            result = plan_placement(request, trial, candidates, now)
+            result = planner(request, trial, candidates, now)
             plans.append((result, request))
             for victim in result.victims:
                 victims.setdefault(victim.deployment, victim.action)
@@ -285,9 +300,8 @@ class MemoryPlanner:
                 trial.apply(result, request)
                 states = {p.deployment: p.state for p in trial.placements()}
                 candidates = [replace(c, state=states[c.deployment]) for c in candidates]
-        self._last_plan = (actor.name, plans)
         by_name = {a.name: a for a in actors}
-        return [(by_name[name], action) for name, action in victims.items()]
+        return [(by_name[name], action) for name, action in victims.items()], plans
 
     def planned_host(self, actor: PlacedDeployment) -> str | None:
         if self._last_plan and self._last_plan[0] == actor.name:

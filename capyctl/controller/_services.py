@@ -67,6 +67,10 @@ class DeploymentServices(Protocol):
 
     # -- admission and records
     def total_waiting(self) -> int: ...
+    def admission_ticket(self) -> int: ...  # a waiting request's place in the daemon-wide order (_turns.py)
+    def room_changed(self) -> None: ...  # a deployment went idle: wakes waiting for room look again
+    @property
+    def room_wait_max(self) -> float: ...  # swap.wait_max: the longest wait for room held by busy ones
     @property
     def queue_total(self) -> int: ...
     @property

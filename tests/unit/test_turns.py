@@ -1,0 +1,235 @@
+"""Taking turns (capyctl/controller/_turns.py): a wake whose room busy deployments hold waits for
+it instead of failing, deployments that cannot be resident together are served in batches, and
+no deployment waits for room past ``swap.wait_max``.
+
+The real Controller and actors run here over a systemd that records the units it is asked to
+start and stop, with one card from a fake NVML (tests/fakes/fake_nvml.py) and two vLLM-shaped
+deployments that each need most of it. The engine's own start is the one thing skipped (its health
+check and the proof, which need a served model): tests/integration/test_turns_llama.py runs the
+same with the real llama-server on a RAM budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+
+from capyctl.config import DaemonConfig, Paths
+from capyctl.controller._actor import DeploymentActor
+from capyctl.spec import EngineSpec, parse_manifest
+
+GiB = 1 << 30
+HANG_GUARD = 20.0
+
+
+class _Systemd:
+    """Records the units started and stopped; every unit stays as it is asked to be."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    async def unit_state(self, name):
+        return None
+
+    async def open_gate(self, name):
+        return True
+
+    async def start_transient(self, unit, **_):
+        self.events.append(("start", unit.name))
+
+    async def watch(self, name):
+        await asyncio.Event().wait()
+        yield  # pragma: no cover
+
+    async def stop_unit(self, name, timeout=30.0):
+        self.events.append(("stop", name))
+
+    async def memory_current(self, unit):
+        return None
+
+
+@pytest.fixture
+async def one_card(tmp_path, monkeypatch):
+    """A Controller over one fake 80 GiB card, vLLM registered, and a model directory."""
+    from capyctl.controller import Controller
+    from capyctl.store import Store
+    from tests.fakes.fake_nvml import FakeDevice, FakeNvml
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([FakeDevice("NVIDIA H100 80GB HBM3", "GPU-h100",
+                                                                    minor=0, total=80 * GiB)]))
+
+    async def healthy(self, progress, timeout):
+        await asyncio.sleep(0.05)  # an engine that loads its model in 50 ms
+
+    async def proven(self, *args, **kwargs):
+        return None
+
+    monkeypatch.setattr(DeploymentActor, "_wait_healthy", healthy)
+    monkeypatch.setattr(DeploymentActor, "_check_proof", proven)
+    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", lambda self, seconds: None)
+    state = tmp_path / "state"
+    state.mkdir()
+    store = Store(state / "state.db")
+    systemd = _Systemd()
+    config = DaemonConfig(paths=Paths(state_dir=state, runtime_dir=tmp_path / "run"))
+    config.swap_quantum, config.swap_wait_max = 0.3, 3.0
+    ctl = Controller(config, store, systemd)
+    ctl.paths.secrets_dir.mkdir(parents=True)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    store.put_engine(EngineSpec.model_validate({"kind": "engine", "name": "vllm", "type": "vllm", "path": str(venv)}))
+    model = tmp_path / "model"
+    model.mkdir()
+    monkeypatch.setenv("CAPYCTL_ARM_PARKED", "0")
+    try:
+        yield ctl, systemd, model
+    finally:
+        await ctl.close()
+        store.close()
+
+
+async def _deploy(ctl, model, name: str, extra: str = ""):
+    return await ctl.deploy(parse_manifest(
+        f"name: {name}\nengine: vllm\nmodel: {{path: {model}}}\n"
+        f"resources: {{gpus: 1, gpu_memory: 50GiB, ram: 2GiB}}\npark: stop\n{extra}"))
+
+
+async def _until(condition, timeout: float = HANG_GUARD) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+class _Clients:
+    """Clients that each send requests to their models in turn, for a while, and record what
+    they got: (model, start, end, error code or None)."""
+
+    def __init__(self, ctl, hold: float = 0.05) -> None:
+        self.ctl = ctl
+        self.hold = hold
+        self.answers: list[tuple[str, float, float, str | None]] = []
+        self.progress: dict[str, list[str]] = {}
+
+    async def one(self, model: str) -> None:
+        began = time.monotonic()
+        lines = self.progress.setdefault(model, [])
+        try:
+            async with self.ctl.acquire(model, progress=lines.append):
+                await asyncio.sleep(self.hold)
+        except Exception as exc:  # recorded: the test asserts there are none
+            self.answers.append((model, began, time.monotonic(), getattr(exc, "code", repr(exc))))
+        else:
+            self.answers.append((model, began, time.monotonic(), None))
+
+    async def run(self, models: list[str], seconds: float) -> None:
+        end = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < end:
+            await self.one(models[i % len(models)])
+            i += 1
+
+
+async def test_a_wake_whose_room_a_busy_deployment_holds_waits_and_is_served_after_a_swap(one_card):
+    ctl, systemd, model = one_card
+    a = await _deploy(ctl, model, "a")
+    b = await _deploy(ctl, model, "b")
+    clients = _Clients(ctl)
+    # a is resident and never idle: two clients keep a request in flight at all times.
+    busy_a = [asyncio.create_task(clients.run(["a"], 2.5)) for _ in range(2)]
+    await _until(lambda: a.state == "ready")
+    assert a.busy
+    began = time.monotonic()
+    await asyncio.wait_for(clients.one("b"), HANG_GUARD)
+    waited = time.monotonic() - began
+    await asyncio.wait_for(asyncio.gather(*busy_a), HANG_GUARD)
+
+    assert [code for *_, code in clients.answers if code] == []
+    assert [m for m, *_, code in clients.answers if m == "b"] == ["b"]
+    # It waited for a's quantum to pass and for a to finish what it had, not for a's clients to stop.
+    assert ctl.config.swap_quantum <= waited < 1.4
+    assert b.state != "failed" and "failed" not in {a.state, b.state}
+    assert ("stop", "capyctl-a.service") in systemd.events
+    assert any(line.startswith("waking b: waiting for room held by a") for line in clients.progress["b"])
+    # a's clients were held at its door meanwhile, and served again once it was b's turn no more.
+    assert any(m == "a" and start > began + waited for m, start, *_ in clients.answers)
+
+
+async def test_two_models_used_at_once_are_served_in_batches_with_no_failure(one_card):
+    ctl, systemd, model = one_card
+    await _deploy(ctl, model, "a")
+    await _deploy(ctl, model, "b")
+    clients = _Clients(ctl)
+    await asyncio.wait_for(asyncio.gather(*(clients.run(["a", "b"] if i % 2 else ["b", "a"], 4.0)
+                                            for i in range(8))), HANG_GUARD)
+    codes = [code for *_, code in clients.answers if code]
+    assert codes == []
+    per_model = {m: sum(1 for name, *_ in clients.answers if name == m) for m in ("a", "b")}
+    assert min(per_model.values()) >= len(clients.answers) / 5, per_model
+    starts = [e for e in systemd.events if e[0] == "start"]
+    # Batches: far fewer swaps than answers (one swap a request would be one start each).
+    assert 2 <= len(starts) <= len(clients.answers) / 4, (len(starts), len(clients.answers))
+    worst = max(end - start for _, start, end, _ in clients.answers)
+    assert worst <= ctl.config.swap_wait_max, worst
+
+
+async def test_past_the_bound_the_wait_ends_with_a_clear_503_and_the_deployment_is_not_failed(one_card):
+    ctl, systemd, model = one_card
+    ctl.config.swap_wait_max = 0.8
+    a = await _deploy(ctl, model, "a")
+    b = await _deploy(ctl, model, "b")
+    forever = asyncio.Event()
+
+    async def hold_a():
+        async with ctl.acquire("a"):
+            await forever.wait()
+
+    holder = asyncio.create_task(hold_a())
+    await _until(lambda: a.state == "ready")
+    began = time.monotonic()
+    try:
+        with pytest.raises(Exception) as caught:
+            async with ctl.acquire("b"):
+                pass
+        waited = time.monotonic() - began
+        assert caught.value.code == "room_wait_timeout" and caught.value.status == 503
+        assert caught.value.retry_after and caught.value.retry_after >= 1
+        assert "waited" in caught.value.message and "swap.wait_max" in caught.value.message
+        assert 0.8 <= waited < 2.0
+        assert b.state == "stopped" and a.state == "ready"
+    finally:
+        forever.set()
+        await holder
+    # And once a is idle, b is served.
+    async with ctl.acquire("b"):
+        assert b.state == "ready"
+
+
+async def test_room_that_waiting_never_brings_still_fails_at_once(one_card):
+    ctl, systemd, model = one_card
+    await _deploy(ctl, model, "a", "")
+    big = await ctl.deploy(parse_manifest(
+        f"name: big\nengine: vllm\nmodel: {{path: {model}}}\nresources: {{gpus: 1, gpu_memory: 90GiB, ram: 2GiB}}\n"))
+    began = time.monotonic()
+    with pytest.raises(Exception) as caught:
+        async with ctl.acquire("big"):
+            pass
+    assert caught.value.code == "wake_failed" and caught.value.detail["cause"] == "no_room"
+    assert time.monotonic() - began < 1.0 and big.state == "failed"
+
+
+async def test_in_arrival_order_each_change_of_model_is_a_swap(one_card):
+    """The baseline benchmarks/contention.py compares batches with: requests served as they came."""
+    ctl, systemd, model = one_card
+    ctl.config.swap_order = "arrival"
+    await _deploy(ctl, model, "a")
+    await _deploy(ctl, model, "b")
+    clients = _Clients(ctl)
+    await asyncio.wait_for(asyncio.gather(*(clients.run(["a", "b"] if i % 2 else ["b", "a"], 3.0)
+                                            for i in range(8))), HANG_GUARD)
+    arrival_starts = sum(1 for e in systemd.events if e[0] == "start")
+    assert [code for *_, code in clients.answers if code] == []
+    assert arrival_starts >= 4
