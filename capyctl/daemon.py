@@ -97,7 +97,8 @@ class Daemon:
         await self.controller.start()
         sockets = sockets or {}
         keys = None if self.no_auth else StoreKeys(self.store)
-        proxy = build_app(self.controller, keys)
+        # wait_progress is read per request, so that a reload (config_file.apply) turns it on or off.
+        proxy = build_app(self.controller, keys, wait_progress=lambda: self.config.wait_progress)
         if "openai" in sockets:
             self._runners.append(await serve(proxy, sock=sockets["openai"]))
         else:

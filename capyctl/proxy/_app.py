@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import re
@@ -38,6 +39,7 @@ from ._routes import (
     JSON_ROUTES,
     STORED_RESPONSE_CAPABILITIES,
     STORED_RESPONSE_ROUTE,
+    STREAMING_ROUTES,
     SYSTEMONE_ROUTE,
     is_anthropic,
     routes_served,
@@ -67,6 +69,9 @@ CLIENT_CLOSED = 499  # nginx's status for "client closed the request", used in m
 RESPONSE_OWNERS_MAX = 100_000
 # What a response id may look like before it is looked up (engines answer "resp_" + hex or similar).
 _RESPONSE_ID = re.compile(r"^[A-Za-z0-9_\-.:]{1,200}$")
+# Seconds between two SSE comments to a waiting stream (WaitProgress): often enough that a client
+# (or a reverse proxy's read timeout) sees the wait go on, not so often that it reads only that.
+PROGRESS_INTERVAL = 1.0
 
 
 class ResponseOwners:
@@ -104,6 +109,10 @@ class ProxyState:
     max_upload: int = DEFAULT_MAX_UPLOAD
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     responses: ResponseOwners = field(default_factory=ResponseOwners)
+    # Whether a streamed request that waits gets SSE comments (DaemonConfig.wait_progress), asked
+    # per request so that a reload applies it; and whether the Router's acquire takes them at all.
+    wait_progress: Callable[[], bool] = field(default=lambda: True)
+    router_reports_progress: bool = False
 
 
 STATE = web.AppKey("capyctl_proxy_state", ProxyState)
@@ -154,7 +163,8 @@ class Exchange:
 
 
 def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * MiB,
-              request_timeout: float | None = None, max_upload: int = DEFAULT_MAX_UPLOAD) -> web.Application:
+              request_timeout: float | None = None, max_upload: int = DEFAULT_MAX_UPLOAD,
+              wait_progress: Callable[[], bool] = lambda: True) -> web.Application:
     """The proxy application.
 
     ``keys`` None turns authentication off (standalone development only: anyone who
@@ -162,13 +172,15 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
     ``max_upload`` a multipart one (an audio file), both answered 413 beyond.
     ``request_timeout`` bounds one upstream exchange, from connecting to the engine to
     the last byte of its answer, not the wait for admission (the Router bounds that);
-    None means no bound.
+    None means no bound. ``wait_progress`` answers, per request, whether a streamed request
+    that waits for admission gets SSE comments meanwhile (:class:`WaitProgress`).
 
     Serve it with :func:`serve` so that a client that disconnects cancels its handler.
     """
     app = web.Application(client_max_size=max_body, middlewares=[_observe])
     app[STATE] = ProxyState(router=router, keys=keys, max_body=max_body, request_timeout=request_timeout,
-                            max_upload=max_upload)
+                            max_upload=max_upload, wait_progress=wait_progress,
+                            router_reports_progress=_takes_progress(router))
     app.cleanup_ctx.append(_client_session)
     for path in GET_ROUTES:
         app.router.add_get(path, _get_route)
@@ -181,6 +193,16 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
     app.router.add_get(stored, _stored_response_route)
     app.router.add_delete(stored, _stored_response_route)
     return app
+
+
+def _takes_progress(router: Router) -> bool:
+    """Whether ``router.acquire`` takes ``progress`` (Router): a router without it (a test's fake)
+    is called as before, and its waits get no comments."""
+    acquire = getattr(router, "acquire", None)
+    try:
+        return acquire is not None and "progress" in inspect.signature(acquire).parameters
+    except (TypeError, ValueError):  # (a callable without a signature Python can read)
+        return False
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
@@ -617,17 +639,20 @@ def _admitted_at_once(exchange: Exchange, model: str, needed: str, route: str,
 
 
 @contextlib.asynccontextmanager
-async def _admitted(exchange: Exchange, model: str, needed: str, route: str,
-                    entry: ModelEntry | None) -> AsyncIterator[Upstream]:
+async def _admitted(exchange: Exchange, model: str, needed: str, route: str, entry: ModelEntry | None,
+                    progress: WaitProgress | None = None) -> AsyncIterator[Upstream]:
     """Admission for one request to ``model`` on a route that needs capability ``needed``.
 
     An engine known (from its adapter, before any launch) to lack the route is refused
     without waking it; the capabilities of the launch that answers are checked again.
+    ``progress`` is told how the wait goes on (Router.acquire).
     """
     if entry is not None and entry.capabilities and needed not in entry.capabilities:
         raise _route_not_served(entry, model, route)
+    router = exchange.state.router
     try:
-        async with exchange.state.router.acquire(model) as upstream:
+        async with (router.acquire(model) if progress is None
+                    else router.acquire(model, progress=progress)) as upstream:
             exchange.deployment = upstream.deployment
             if needed not in upstream.capabilities:
                 raise _route_not_served(upstream, model, route)
@@ -662,8 +687,34 @@ async def answer_json(exchange: Exchange, grant: KeyGrant | None, raw: bytes) ->
         finally:
             release()
         return
-    async with _admitted(exchange, model, JSON_ROUTES[path], path, entry) as upstream:
-        await forward(exchange, upstream, path, _payload_for(upstream, raw, body, model))
+    progress = _wait_progress(exchange, body)
+    if progress is None:
+        async with _admitted(exchange, model, JSON_ROUTES[path], path, entry) as upstream:
+            await forward(exchange, upstream, path, _payload_for(upstream, raw, body, model))
+        return
+    try:
+        async with _admitted(exchange, model, JSON_ROUTES[path], path, entry, progress) as upstream:
+            payload = _payload_for(upstream, raw, body, model)
+            if await progress.stop():
+                await _forward_after_comments(exchange, upstream, path, payload)
+            else:
+                await forward(exchange, upstream, path, payload)
+    except CapyError as err:
+        if not await progress.stop():
+            raise
+        # The comments sent the answer's status: the error can only be the stream's last event.
+        await progress.fail(err)
+    finally:
+        progress.close()
+
+
+def _wait_progress(exchange: Exchange, body: dict[str, Any]) -> WaitProgress | None:
+    """Comments for this request while it waits, when it asked for a stream and they are on."""
+    state = exchange.state
+    if (body.get("stream") is not True or exchange.path not in STREAMING_ROUTES
+            or not state.router_reports_progress or not state.wait_progress()):
+        return None
+    return WaitProgress(exchange)
 
 
 async def _form_route(request: web.Request) -> web.StreamResponse:
@@ -923,9 +974,12 @@ class EventRelay:
 STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def _stream(exchange: Exchange, upstream: Upstream, upstream_response: EngineResponse | _AiohttpAnswer) -> None:
+async def _stream(exchange: Exchange, upstream: Upstream, upstream_response: EngineResponse | _AiohttpAnswer, *,
+                  started: bool = False) -> None:
+    """Relay an event stream; its head first, unless it was ``started`` already (WaitProgress)."""
     reply = exchange.reply
-    await reply.start_stream(upstream_response.status, dict(STREAM_HEADERS))
+    if not started:
+        await reply.start_stream(upstream_response.status, dict(STREAM_HEADERS))
     relay = EventRelay(exchange, upstream)
     while True:
         try:
@@ -990,6 +1044,118 @@ def _remember_streamed_response(exchange: Exchange, events: bytes) -> None:
 
 def _sse_error(exchange: Exchange, error: CapyError) -> bytes:
     return anthropic_sse_error_event(error) if is_anthropic(exchange.path) else sse_error_event(error)
+
+
+class WaitProgress:
+    """SSE comments to a streamed request while the Router keeps it waiting (for room, for a
+    wake): the Router's ``progress`` callback (Router.acquire).
+
+    The first line commits the answer: status 200 and the stream's head go out with it, so
+    whatever follows (the engine's events, or an error) must be part of that stream. The official
+    clients skip comment lines (a line starting with ":", as the SSE standard says:
+    openai/_streaming.py and anthropic/_streaming.py, SSEDecoder.decode, openai 3.63.0 and
+    anthropic 2.17.0). Lines are written by one task, at most one each PROGRESS_INTERVAL; a line
+    that comes while one is written or during the interval replaces the one waiting, so a client
+    that does not read holds up this task and nothing else, and no line piles up in memory.
+    """
+
+    __slots__ = ("_exchange", "_latest", "_wake", "_writer", "_writing", "_stopped", "committed")
+
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+        self._latest = ""  # the line to write next
+        self._wake: asyncio.Event | None = None  # set when a line is waiting
+        self._writer: asyncio.Task[None] | None = None
+        self._writing = False
+        self._stopped = False
+        self.committed = False  # the answer's status and head are (being) sent
+
+    def __call__(self, line: str) -> None:
+        if self._stopped:
+            return
+        self._latest = line
+        if self._writer is None:
+            self._wake = asyncio.Event()
+            self._writer = asyncio.get_running_loop().create_task(self._write_lines())
+        assert self._wake is not None
+        self._wake.set()
+
+    async def _write_lines(self) -> None:
+        assert self._wake is not None
+        reply = self._exchange.reply
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                # (Comments are one line each: a line break in one would end it.)
+                line = " ".join(self._latest.splitlines()).encode("utf-8", "replace")
+                self._writing = True
+                if not self.committed:
+                    self.committed = True  # (first: once start_stream began, the status is spoken for)
+                    await reply.start_stream(200, dict(STREAM_HEADERS))
+                await reply.write(b": " + line + b"\n\n")
+                self._writing = False
+                if self._stopped:
+                    return
+                await asyncio.sleep(PROGRESS_INTERVAL)
+        except ConnectionError:  # the client went away: the forwarding that follows finds out too
+            self._exchange.outcome = CLIENT_CLOSED
+
+    async def stop(self) -> bool:
+        """No more comments: the engine's answer, or an error, is next. A comment being written
+        is let finish (the next bytes must not land inside it). Whether the answer was committed."""
+        self._stopped = True
+        writer = self._writer
+        if writer is not None and not writer.done():
+            if self._writing:
+                await writer
+            else:
+                writer.cancel()  # (between comments: nothing half-written)
+        return self.committed
+
+    async def fail(self, error: CapyError) -> None:
+        """End the committed stream with ``error`` as its last event, in the shape its client reads."""
+        self._exchange.outcome = error.status
+        log.warning("proxy: a stream answered with comments while it waited failed: %s", error)
+        await _finish(self._exchange, _sse_error(self._exchange, error))
+
+    def close(self) -> None:
+        """On every way out (a cancelled request included): no comment is written after it."""
+        self._stopped = True
+        if self._writer is not None:
+            self._writer.cancel()
+
+
+async def _forward_after_comments(exchange: Exchange, upstream: Upstream, path: str, payload: bytes) -> None:
+    """:func:`forward` for a request whose answer WaitProgress already committed (status 200, an
+    event stream): the engine's events follow the comments; any other answer of the engine is
+    raised as the CapyError that ends the stream."""
+    upstream_response = await _open_upstream(exchange, upstream, path, payload)
+    try:
+        if upstream_response.status < 300 and upstream_response.content_type == "text/event-stream":
+            await _stream(exchange, upstream, upstream_response, started=True)
+            return
+        try:
+            body = await upstream_response.read()
+        except _UPSTREAM_ERRORS as exc:
+            raise unreachable(upstream, exc) from exc
+    finally:
+        upstream_response.close()
+    raise _engine_refused(upstream, upstream_response.status, body)
+
+
+def _engine_refused(upstream: Upstream, status: int, body: bytes) -> CapyError:
+    """An engine's answer that is not the event stream asked for, as an error: the engine's own
+    status when it refused (a 2xx that is no stream is our failure: 502) and its message."""
+    try:
+        answer = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        answer = None
+    error = answer.get("error") if isinstance(answer, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    said = message if isinstance(message, str) else body[:300].decode("utf-8", "replace")
+    return CapyError(f"The engine of '{upstream.deployment}' answered {status} instead of an event stream: {said}",
+                     code="engine_error", status=status if status >= 400 else 502)
 
 
 async def _finish(exchange: Exchange, last: bytes) -> None:
