@@ -48,6 +48,13 @@ def test_docs_have_yaml_examples() -> None:
 
 @pytest.mark.parametrize("page,line,text", YAML_BLOCKS, ids=[f"{p}:{ln}" for p, ln, _ in YAML_BLOCKS])
 def test_yaml_example_validates(page: str, line: int, text: str) -> None:
+    if text.startswith("# /etc/capyctl/config.yaml"):  # an example of the daemon's config file
+        from capyctl.config_file import ConfigError, parse_config
+        try:
+            parse_config(text, f"docs/{page}:{line}")
+        except ConfigError as exc:
+            pytest.fail(f"the config example at docs/{page} line {line} is not a valid config file:\n{exc}")
+        return
     try:
         spec = parse_manifest(text, source=f"docs/{page}:{line}")
     except ManifestError as exc:
