@@ -1093,9 +1093,16 @@ class DeploymentActor:
         Group members are not budgeted by the scheduler: they are placed by ``hosts``."""
 
         started = time.monotonic()
+        # Each member is budgeted on its host; idle deployments there make room (_memory.py). A
+        # wait for room busy deployments hold that ends unserved leaves the group as it was.
         try:
-            # Each member is budgeted on its host; idle deployments there make room (_memory.py).
             await self.controller.make_room(self, progress)
+        except (RoomWaitTimeout, WakeCancelled):
+            raise
+        except CapyError as exc:
+            await self._fail(exc.code, exc.message)
+            raise
+        try:
             if self.group is None or self.group.state == GROUP_FAILED:
                 members = group_members(self)
                 head = members[0].host
