@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 
 from capyctl.api import Credentials, build_api
 from capyctl.api._openapi import management_openapi
@@ -126,6 +126,9 @@ def test_the_description_is_openapi_3_1_and_describes_every_route(live_api):
                 assert "401" in op["responses"], f"{method} {path} does not document 401"
 
 
+FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect"})
+
+
 def test_schemathesis_finds_no_undocumented_status(live_api):
     schema = schemathesis.openapi.from_dict(management_openapi())
     auth = {"Authorization": f"Bearer {live_api.admin_token}"}
@@ -143,6 +146,9 @@ def test_schemathesis_finds_no_undocumented_status(live_api):
                   suppress_health_check=list(HealthCheck))
         @given(case=strategy)
         def call(case) -> None:
+            # Headers that frame the HTTP message are aiohttp's parser's to refuse (400) before any
+            # route runs; a negative case that makes one up ("content-length: :{") tests aiohttp.
+            assume(not {name.lower() for name in (case.headers or {})} & FRAMING_HEADERS)
             case.call_and_validate(base_url=live_api.url, headers=auth, checks=checks, timeout=30)
 
         call()
