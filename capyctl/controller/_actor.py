@@ -170,6 +170,7 @@ class DeploymentActor:
         self.served_model: str | None = None
         self._upstream: tuple[tuple, DeploymentSpec, Upstream] | None = None  # see upstream()
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
+        self._queued_other_than_wake = 0  # queued commands that change course (see redirected)
         self._wake_future: asyncio.Future | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -211,6 +212,12 @@ class DeploymentActor:
     def has_pending_commands(self) -> bool:
         """A park, wake or stop is queued: the deployment is about to change."""
         return not self._commands.empty()
+
+    @property
+    def redirected(self) -> bool:
+        """A command other than a wake (a stop, a park, a delete) waits behind the one running: a
+        wake that waits for room gives way to it. Another wake only joins the one under way."""
+        return self._queued_other_than_wake > 0
 
     @property
     def systemd(self) -> Any:
@@ -435,11 +442,15 @@ class DeploymentActor:
         # A caller that stops waiting must not leave "exception never retrieved" noise behind.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._commands.put_nowait(_Command(op, future, args))
+        if op != "wake":
+            self._queued_other_than_wake += 1
         return future
 
     async def _run(self) -> None:
         while True:
             cmd = await self._commands.get()
+            if cmd.op != "wake":
+                self._queued_other_than_wake -= 1
             if cmd.future.cancelled():
                 continue
             try:

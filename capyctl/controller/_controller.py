@@ -615,7 +615,7 @@ class Controller:
             if note != told:
                 progress(note)
                 told = note
-            if actor.has_pending_commands:
+            if actor.redirected:
                 raise WakeCancelled(f"deployment {actor.name!r} was asked to do something else while it waited "
                                     "for room", retry_after=1.0)
             # Look again at the next change, when the quantum is up, and at least every ROOM_RECHECK_S.

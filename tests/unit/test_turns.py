@@ -233,3 +233,34 @@ async def test_in_arrival_order_each_change_of_model_is_a_swap(one_card):
     arrival_starts = sum(1 for e in systemd.events if e[0] == "start")
     assert [code for *_, code in clients.answers if code] == []
     assert arrival_starts >= 4
+
+
+async def test_a_wait_for_room_gives_way_to_a_stop_but_not_to_another_wake(one_card):
+    ctl, systemd, model = one_card
+    ctl.config.swap_quantum = 60.0  # a never yields here
+    a = await _deploy(ctl, model, "a")
+    b = await _deploy(ctl, model, "b")
+    forever = asyncio.Event()
+
+    async def hold_a():
+        async with ctl.acquire("a"):
+            await forever.wait()
+
+    holder = asyncio.create_task(hold_a())
+    await _until(lambda: a.state == "ready")
+    try:
+        waiting = asyncio.ensure_future(ctl.acquire("b").__aenter__())
+        await _until(lambda: ctl.turns.in_line("b"))
+        second = b.submit("wake")  # as `capyctl wake b` does: joins, does not cancel
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and ctl.turns.in_line("b")
+        stop = b.submit("stop")
+        with pytest.raises(Exception) as caught:
+            await asyncio.wait_for(waiting, HANG_GUARD)
+        assert caught.value.code == "wake_cancelled"
+        await asyncio.wait_for(stop, HANG_GUARD)
+        assert b.state == "stopped" and not ctl.turns.in_line("b")
+        second.cancel()
+    finally:
+        forever.set()
+        await holder
