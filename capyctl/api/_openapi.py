@@ -10,7 +10,7 @@ registered route is described and runs schemathesis against the document.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,6 +21,11 @@ from ..spec import DeploymentSpec, EngineSpec
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class WaitingForRoom(BaseModel):
+    seconds: float = Field(description="How long its wake has waited for room (at most swap.wait_max).")
+    ahead: int = Field(description="Deployments waiting longer, served first.")
 
 
 class Deployment(_Open):
@@ -37,6 +42,11 @@ class Deployment(_Open):
     parked_in_place: bool = False
     armed: bool = Field(default=False, description="Parked by stopping, with the next launch's unit already "
                         "started and held at its gate: the wake only opens it.")
+    door: Literal["open", "closed"] = Field(
+        default="open", description="closed while another deployment waits for its room: it admits the "
+        "requests already waiting, new ones wait for its next turn (docs/engines-and-parking.md).")
+    waiting_for_room: WaitingForRoom | None = Field(
+        default=None, description="Set while its wake waits for room that busy deployments hold.")
     wakes: int = 0
     parks: int = 0
 

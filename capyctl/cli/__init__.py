@@ -287,6 +287,12 @@ def cmd_status(args) -> int:
         print(f"Endpoint: 127.0.0.1:{d['port']} (loopback, per-launch key)")
     print(f"  Memory: {human_bytes(d.get('memory_current'))}")
     print(f"Requests: {d.get('in_flight', 0)} in flight, {d.get('waiting', 0)} waiting")
+    room = d.get("waiting_for_room")
+    if room:
+        print(f"    Turn: waiting {room['seconds']:.0f}s for room held by busy deployments"
+              + (f", {room['ahead']} deployment(s) ahead" if room.get("ahead") else ""))
+    elif d.get("door") == "closed":
+        print("    Turn: yielding: it finishes the requests it admitted, then another deployment's turn comes")
     if d.get("last_used"):
         print(f"Last use: {human_age(now - d['last_used'])} ago")
     for line in park_lines(d):

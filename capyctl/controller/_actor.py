@@ -1204,6 +1204,8 @@ class DeploymentActor:
             "host_state": self._host_state(), "in_flight": self.in_flight, "waiting": self.waiting,
             "last_used": self.last_used or None, "parked_in_place": self.parked_in_place,
             "armed": self._armed is not None,
+            # Taking turns (_turns.py): its door closed while another deployment waits for its room.
+            "door": "open" if self._door_mark is None else "closed",
             "wakes": self.wakes, "parks": self.parks, "aliases": spec.aliases,
             "park_tier": self.park_tier,
             "park_record": {k: v for k, v in self.park_record.items() if k != "reference"},

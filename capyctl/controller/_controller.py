@@ -950,6 +950,9 @@ class Controller:
     async def describe(self, name: str) -> dict:
         actor = self.get(name)
         info = actor.describe()
+        since = self.turns.waiting().get(name)
+        info["waiting_for_room"] = None if since is None else {
+            "seconds": round(time.monotonic() - since, 3), "ahead": self.turns.ahead_of(name)}
         info["memory_current"] = None
         if actor.state in RUNNING_STATES or actor.parked_in_place:
             try:

@@ -251,6 +251,9 @@ async def test_a_wait_for_room_gives_way_to_a_stop_but_not_to_another_wake(one_c
     try:
         waiting = asyncio.ensure_future(ctl.acquire("b").__aenter__())
         await _until(lambda: ctl.turns.in_line("b"))
+        status = await ctl.describe("b")  # what `capyctl status deployment b` shows
+        assert status["waiting_for_room"]["ahead"] == 0 and status["waiting_for_room"]["seconds"] >= 0
+        assert (await ctl.describe("a"))["waiting_for_room"] is None
         second = b.submit("wake")  # as `capyctl wake b` does: joins, does not cancel
         await asyncio.sleep(0.3)
         assert not waiting.done() and ctl.turns.in_line("b")
