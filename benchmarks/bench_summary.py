@@ -30,6 +30,12 @@ GOAL_STREAM_VS_DIRECT = 0.99  # at least, at 1, 8 and 64 streams
 GOAL_WAKE_VS_MANUAL = 1.10
 GOAL_IDLE_RSS = 64 * MiB
 GOAL_RSS_GROWTH = 2 * MiB  # "flat": after 100,000 requests at most this much above the few-request figure
+# Issue 31's goals for contention.py: models taking turns on room for one.
+GOAL_CONTENTION_FAILED = 0  # no failed request
+GOAL_CONTENTION_SHARE = 0.2  # each model at least a fifth of the answers
+GOAL_CONTENTION_ANSWERS = 0.5  # at least half the answers of the same clients on one resident model
+# (and p99 latency at most swap.wait_max plus one wake, both read from the run)
+CONTENTION_COUNTS = ((2, "two"), (3, "three"))
 STREAM_COUNTS = (1, 8, 64)
 
 
@@ -279,11 +285,89 @@ def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
     return rows
 
 
+def _s(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f} s"
+
+
+def _codes(by_code: Mapping[str, int]) -> str:
+    return ", ".join(f"{n} {code}" for code, n in sorted(by_code.items(), key=lambda kv: -kv[1])) or "none"
+
+
+def contention_rows(contention: dict[str, Any] | None) -> list[Row]:
+    """Issue 31's rows from contention.py's JSON: two and three big models on room for one, taking
+    turns in batches, against the same clients on one resident model (the upper bound) and against
+    arrival order (the baseline, shown beside each row and in an info row of its own, no goal)."""
+    def measures(n: int) -> list[tuple[str, str]]:
+        return [(f"{n} models on room for one: failed requests", f"<= {GOAL_CONTENTION_FAILED}"),
+                (f"{n} models on room for one: smallest share of answers", f">= {GOAL_CONTENTION_SHARE:.2f}"),
+                (f"{n} models on room for one: p99 latency", "<= wait_max + one wake"),
+                (f"{n} models on room for one: answers vs one model", f">= {GOAL_CONTENTION_ANSWERS:.2f}x")]
+
+    scenarios = (contention or {}).get("scenarios") or {}
+    if not scenarios:
+        why = (contention or {}).get("error") or "contention.py wrote no result"
+        return [Row(m, why, g, "n/a") for n, _ in CONTENTION_COUNTS for m, g in measures(n)]
+    ok = {name: s for name, s in scenarios.items() if not s.get("error")}
+    one = ok.get("one")
+    wait_max = contention.get("wait_max_s")
+    all_wakes = [w for s in ok.values() for w in s.get("wake_s") or []]
+    run_wake = statistics.median(all_wakes) if all_wakes else None
+    rows: list[Row] = []
+    if one:
+        rows.append(Row("one resident model, same clients (the upper bound)",
+                        f"{one['answered']} answers ({one['answers_per_s']:.1f}/s), p50 {_s(one['p50_s'])}, "
+                        f"p99 {_s(one['p99_s'])}, {one['failed']} failed", "(bound)", "info"))
+    for n, label in CONTENTION_COUNTS:
+        batches, arrival = scenarios.get(f"{label}-batches"), ok.get(f"{label}-arrival")
+        if not batches or batches.get("error"):
+            why = (batches or {}).get("error") or "not measured in this run"
+            rows += [Row(m, why, g, "n/a") for m, g in measures(n)]
+        else:
+            rows += _contention_goal_rows(n, measures(n), batches, arrival, one, wait_max, run_wake)
+        if arrival:
+            a = arrival
+            rows.append(Row(f"{n} models on room for one, arrival order (baseline)",
+                            f"{a['answered']} answers, {a['failed']} failed ({_codes(a['failed_by_code'])}), "
+                            f"{a['wakes']} swaps, smallest share {a['min_share']:.2f}, "
+                            f"p50 {_s(a['p50_s'])}, p99 {_s(a['p99_s'])}"
+                            + (f", {_x(_ratio(a['answered'], one['answered']))} one model" if one else ""),
+                            "(baseline)", "info"))
+    return rows
+
+
+def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, Any], a: dict[str, Any] | None,
+                          one: dict[str, Any] | None, wait_max: float | None, run_wake: float | None) -> list[Row]:
+    (m_failed, g_failed), (m_share, g_share), (m_p99, g_p99), (m_answers, g_answers) = measures
+    beside = (lambda text: f"; arrival order {text}") if a else (lambda text: "")
+    failed_states = sorted(name for name, st in (b.get("states") or {}).items() if st and st[0] == "failed")
+    rows = [Row(m_failed, f"{b['failed']} of {b['requests'] + b['light']['requests']} ({_codes(b['failed_by_code'])})"
+                + (f"; left failed: {', '.join(failed_states)}" if failed_states else "")
+                + beside(f"{a['failed']} failed" if a else ""), g_failed,
+                judge(b["failed"], GOAL_CONTENTION_FAILED, at_most=True), b["failed"])]
+    shares = ", ".join(f"{m} {v:.2f}" for m, v in b["shares"].items())
+    rows.append(Row(m_share, f"{b['min_share']:.2f} ({shares}; {b['wakes']} swaps)"
+                    + beside(f"{a['min_share']:.2f}, {a['wakes']} swaps" if a else ""), g_share,
+                    judge(b["min_share"] if b["answered"] else None, GOAL_CONTENTION_SHARE, at_most=False),
+                    b["min_share"]))
+    wake = b.get("one_wake_s") if b.get("one_wake_s") is not None else run_wake
+    bound = wait_max + wake if wait_max is not None and wake is not None else None
+    rows.append(Row(m_p99, f"{_s(b['p99_s'])} (p50 {_s(b['p50_s'])}, max {_s(b['max_s'])}; bound "
+                    f"{_s(wait_max)} + wake {_s(wake)})" + beside(f"p99 {_s(a['p99_s'])}" if a else ""),
+                    g_p99 + (f" ({_s(bound)})" if bound is not None else ""),
+                    judge(b["p99_s"], bound, at_most=True) if bound is not None else "n/a", b["p99_s"]))
+    r = _ratio(b["answered"], one["answered"]) if one else None
+    rows.append(Row(m_answers, (f"{_x(r)} ({b['answered']} vs {one['answered']})" if one
+                                else "the one-model run was not measured")
+                    + beside(_x(_ratio(a["answered"], one["answered"])) if a and one else ""), g_answers,
+                    judge(r, GOAL_CONTENTION_ANSWERS, at_most=False), r))
+    return rows
+
+
 def evaluate(results: dict[str, Any]) -> list[Row]:
     """Every row of issue 14's table (then one hop's and LiteLLM's), from the benchmarks' JSON results by name."""
     pvn = results.get("proxy_vs_nginx")
     return [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale")),
-            *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
+            *contention_rows(results.get("contention")), *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
 
 
 def one_line(text: str, limit: int = 110) -> str:

@@ -15,6 +15,10 @@ _spec = importlib.util.spec_from_file_location("bench_summary", REPO / "benchmar
 bs = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("bench_summary", bs)  # dataclasses look their module up
 _spec.loader.exec_module(bs)
+_cspec = importlib.util.spec_from_file_location("contention", REPO / "benchmarks" / "contention.py")
+contention = importlib.util.module_from_spec(_cspec)
+sys.modules.setdefault("contention", contention)
+_cspec.loader.exec_module(contention)
 
 MiB = 1 << 20
 
@@ -32,8 +36,30 @@ def _pvn(capy_ms: float = 10.1, nginx_ms: float = 10.05, direct_ms: float = 10.0
     }
 
 
+def _scenario(answers: dict, *, failed: dict | None = None, latency: float = 0.5, wakes: int = 0,
+              one_wake: float | None = 0.4, seconds: float = 40.0) -> dict:
+    """contention.py's figures of one scenario, through its own summarize: ``answers`` per model
+    (each ``latency`` seconds), ``failed`` requests per (model, code) answered 503 at once."""
+    records = [[0, m, 0.0, latency, 200, None] for m, n in answers.items() for _ in range(n)]
+    records += [[1, m, 0.0, 0.01, 503, code] for (m, code), n in (failed or {}).items() for _ in range(n)]
+    records += [["light", "small", 0.0, 0.05, 200, None]] * 3
+    figures = contention.summarize(records, list(answers), seconds)
+    figures.update({"wakes": wakes, "evictions": wakes, "one_wake_s": one_wake,
+                    "wake_s": [one_wake] * wakes if one_wake else [], "states": {m: ["ready", None] for m in answers}})
+    return figures
+
+
+def _contention(**scenarios) -> dict:
+    found = {"one": _scenario({"big-1": 400}),
+             "two-batches": _scenario({"big-1": 150, "big-2": 140}, latency=2.0, wakes=8),
+             "two-arrival": _scenario({"big-1": 40, "big-2": 40}, latency=3.0, wakes=80),
+             "three-batches": _scenario({"big-1": 90, "big-2": 80, "big-3": 85}, latency=3.0, wakes=9)}
+    found.update(scenarios)
+    return {"seconds": 40.0, "clients": 8, "quantum_s": 5.0, "wait_max_s": 30.0, "scenarios": found}
+
+
 def _results(**overrides) -> dict:
-    results = {"proxy_vs_nginx": _pvn(),
+    results = {"proxy_vs_nginx": _pvn(), "contention": _contention(),
                "wake_vs_manual": {"manual_s": [1.0, 1.1, 0.9], "parked_s": [1.05, 1.05, 1.05]},
                "daemon_scale": {"rss_few_bytes": 50 * MiB, "rss_after_bytes": 51 * MiB, "requests": 100_000,
                                 "concurrency": 32, "total_rps": 1000.0,
@@ -53,8 +79,10 @@ def test_every_row_of_the_issue_is_there_and_passes_within_its_goals():
                 "time to first chunk, median, vs nginx", "stream chunks/s, 1 concurrent, vs direct",
                 "stream chunks/s, 8 concurrent, vs direct", "stream chunks/s, 64 concurrent, vs direct",
                 "parked -> first token vs llama-server by hand", "daemon idle RSS after a few requests",
-                "daemon idle RSS after 100,000 requests (flat?)"]
-    assert [m for m in rows if not m.startswith(("LiteLLM", "one hop"))] == expected
+                "daemon idle RSS after 100,000 requests (flat?)",
+                *(f"{n} models on room for one: {what}" for n in (2, 3) for what in (
+                    "failed requests", "smallest share of answers", "p99 latency", "answers vs one model"))]
+    assert [m for m in rows if not m.startswith(("LiteLLM", "one hop")) and rows[m].status != "info"] == expected
     assert {r.status for m, r in rows.items() if m in expected} == {"PASS"}
     assert rows["added latency, median, 1-token chat"].ratio == pytest.approx(0.1e-3)
     assert rows["latency median, total vs nginx"].ratio == pytest.approx(10.1 / 10.05)
@@ -107,7 +135,7 @@ def test_what_was_not_measured_is_n_a_with_the_reason():
     assert by["parked -> first token vs llama-server by hand"].status == "n/a"
     assert by["parked -> first token vs llama-server by hand"].value == "needs root"
     assert all(r.status == "n/a" for r in rows)
-    assert "0 PASS, 0 MISS, 10 not measured" in bs.render_table(rows)
+    assert "0 PASS, 0 MISS, 18 not measured" in bs.render_table(rows)
 
 
 def test_litellm_rows_say_where_capyctl_stands_or_why_not():
@@ -122,7 +150,7 @@ def test_litellm_rows_say_where_capyctl_stands_or_why_not():
 def test_the_table_prints_every_row_with_goal_and_verdict():
     text = bs.render_table(bs.evaluate(_results()))
     assert "<= 0.25 ms over direct" in text and ">= 0.99x direct" in text and "<= 1.10x" in text
-    assert text.splitlines()[-1] == "10 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
+    assert text.splitlines()[-1] == "18 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
 
 
 def test_scale_lists_every_deployment():
@@ -146,7 +174,7 @@ def test_main_writes_summary_and_chart(tmp_path, capsys):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     assert bs.main([str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["rows"]) == 12 and summary["rows"][0]["status"] == "PASS"
+    assert len(summary["rows"]) == 22 and summary["rows"][0]["status"] == "PASS"
     hop = next(r for r in summary["rows"] if r["measure"].startswith("one hop"))
     assert hop["value"] == "200 us vs nginx's 100 us (2.000x); proxy CPU 300 us/request"
     assert "| " not in capsys.readouterr().out.splitlines()[0]
@@ -220,3 +248,110 @@ def test_a_goal_inside_the_interval_is_said_to_be_undecided_by_the_run():
     rows = _by_measure(bs.evaluate(_results(proxy_vs_nginx=pvn)))
     assert "goal inside: cannot tell" in rows["added latency, median, 1-token chat"].value
     assert bs.turn_interval({"a": [1.0]}, lambda t: 0.0) is None  # one turn: no interval
+
+
+# ---------------------------------------------------------------- contention.py (issue 31)
+
+def test_each_client_alternates_the_models_from_its_own_first():
+    two, three = ["a", "b"], ["a", "b", "c"]
+    assert contention.client_models(0, two, 4) == ["a", "b", "a", "b"]
+    assert contention.client_models(1, two, 3) == ["b", "a", "b"]
+    assert contention.client_models(4, three, 4) == ["b", "c", "a", "b"]
+
+
+def test_summarize_counts_answers_failures_by_code_and_shares_without_the_light_client():
+    records = [[0, "m1", 0.0, 1.0, 200, None], [1, "m1", 0.0, 3.0, 200, None], [2, "m2", 1.0, 2.0, 200, None],
+               [3, "m2", 0.0, 0.1, 503, "wake_failed"], [4, "m2", 0.0, 0.1, 503, "wake_failed"],
+               [5, "m1", 0.0, 90.0, 0, "client_timeout"],
+               ["light", "small", 0.0, 0.2, 200, None], ["light", "small", 1.0, 1.5, 503, "no_room"]]
+    s = contention.summarize(records, ["m1", "m2"], 10.0)
+    assert (s["requests"], s["answered"], s["failed"]) == (6, 3, 4)  # the light client's failure counts too
+    assert s["failed_by_code"] == {"503 wake_failed": 2, "0 client_timeout": 1, "503 no_room": 1}
+    assert s["answers"] == {"m1": 2, "m2": 1}
+    assert s["shares"]["m1"] == pytest.approx(2 / 3) and s["min_share"] == pytest.approx(1 / 3)
+    assert s["p50_s"] == pytest.approx(1.0) and s["max_s"] == pytest.approx(90.0)  # max over every request
+    assert s["answers_per_s"] == pytest.approx(0.3)
+    assert s["light"] == {"requests": 2, "answered": 1, "failed": 1, "p50_s": pytest.approx(0.2),
+                          "max_s": pytest.approx(0.2)}
+
+
+def test_a_model_never_answered_has_share_zero():
+    s = contention.summarize([[0, "m1", 0.0, 1.0, 200, None], [1, "m2", 0.0, 0.1, 503, "wake_failed"]],
+                             ["m1", "m2"], 10.0)
+    assert s["shares"] == {"m1": 1.0, "m2": 0.0} and s["min_share"] == 0.0
+    empty = contention.summarize([], ["m1"], 10.0)
+    assert empty["answered"] == 0 and empty["min_share"] == 0.0 and empty["p99_s"] is None
+
+
+def test_metric_values_reads_per_deployment_counters_from_the_exposition():
+    text = ("# HELP capyctl_wakes Wakes and cold starts of a deployment.\n# TYPE capyctl_wakes counter\n"
+            'capyctl_wakes_total{deployment="big-1"} 3.0\ncapyctl_wakes_total{deployment="big-2"} 5.0\n'
+            'capyctl_evictions_total{deployment="big-1"} 2.0\n'
+            'capyctl_wake_duration_seconds_bucket{deployment="big-1",le="0.5"} 2.0\n'
+            'capyctl_requests_total{deployment="big-1",route="/v1/chat/completions",status="200"} 9.0\n')
+    assert contention.metric_values(text, "capyctl_wakes") == {"big-1": 3.0, "big-2": 5.0}
+    assert contention.metric_values(text, "capyctl_evictions") == {"big-1": 2.0}
+    before = {"big-1": 1.0}
+    assert contention.delta(before, contention.metric_values(text, "capyctl_wakes"), ["big-1", "big-2"]) == 7
+
+
+def test_wakes_in_reads_the_daemons_ready_lines_after_the_start_of_the_window():
+    journal = "\n".join([
+        "100.5 capy1 capyctl[9]: INFO capyctl.controller: deployment big-1: ready in 1.200s, started "
+        "(unit start 50 ms)",
+        "200.0 capy1 capyctl[9]: INFO capyctl.controller: deployment big-2: ready in 0.400s, woken from its park "
+        "(make room 5 ms, open gate 3 ms, health 390 ms)",
+        "201.0 capy1 capyctl[9]: INFO capyctl.controller: deployment small: ready in 0.300s, started (x 1 ms)",
+        "202.0 capy1 capyctl[9]: DEBUG capyctl.controller: deployment big-1: ready -> parking"])
+    wakes = contention.wakes_in(journal, ["big-1", "big-2"], since=150.0)
+    assert wakes == [{"deployment": "big-2", "at": 200.0, "seconds": 0.4, "kind": "woken from its park"}]
+
+
+def test_contention_rows_pass_within_the_goals_and_show_arrival_order_beside():
+    rows = _by_measure(bs.contention_rows(_contention()))
+    for n in (2, 3):
+        assert {rows[f"{n} models on room for one: {w}"].status for w in (
+            "failed requests", "smallest share of answers", "p99 latency", "answers vs one model")} == {"PASS"}
+    p99 = rows["2 models on room for one: p99 latency"]
+    assert p99.goal == "<= wait_max + one wake (30.40 s)" and p99.ratio == pytest.approx(2.0)
+    assert rows["2 models on room for one: answers vs one model"].ratio == pytest.approx(290 / 400)
+    assert "arrival order 0.200x" in rows["2 models on room for one: answers vs one model"].value
+    baseline = rows["2 models on room for one, arrival order (baseline)"]
+    assert baseline.status == "info" and "80 swaps" in baseline.value
+    assert rows["one resident model, same clients (the upper bound)"].status == "info"
+
+
+def test_the_issues_failure_misses_its_goals_and_names_the_code():
+    # Issue 31 before the change: the second model refused at once and left failed, never served.
+    broken = _scenario({"big-1": 300, "big-2": 0}, failed={("big-2", "wake_failed"): 610}, wakes=0, one_wake=None)
+    broken["states"]["big-2"] = ["failed", "no_room"]
+    rows = _by_measure(bs.contention_rows(_contention(**{"two-batches": broken})))
+    failed = rows["2 models on room for one: failed requests"]
+    assert failed.status == "MISS" and failed.ratio == 610
+    assert "610 503 wake_failed" in failed.value and "left failed: big-2" in failed.value
+    assert rows["2 models on room for one: smallest share of answers"].status == "MISS"
+    # No wake in that scenario: the goal's wake is the run's median wake (0.4 s in the others).
+    assert rows["2 models on room for one: p99 latency"].goal.endswith("(30.40 s)")
+
+
+def test_a_slow_tail_or_too_few_answers_miss():
+    slow = _scenario({"big-1": 100, "big-2": 90}, latency=31.0, wakes=4, one_wake=0.5)
+    rows = _by_measure(bs.contention_rows(_contention(**{"two-batches": slow})))
+    assert rows["2 models on room for one: p99 latency"].status == "MISS"  # 31 s > 30 + 0.5
+    assert rows["2 models on room for one: answers vs one model"].status == "MISS"  # 190 / 400 < 0.5
+    at_bound = _scenario({"big-1": 100, "big-2": 100}, latency=30.5, wakes=4, one_wake=0.5)
+    rows = _by_measure(bs.contention_rows(_contention(**{"two-batches": at_bound})))
+    assert rows["2 models on room for one: p99 latency"].status == "PASS"
+    assert rows["2 models on room for one: answers vs one model"].status == "PASS"  # exactly 0.5x
+
+
+def test_contention_not_run_or_failed_is_n_a_with_the_reason():
+    rows = bs.contention_rows(None)
+    assert len(rows) == 8 and {r.status for r in rows} == {"n/a"}
+    assert rows[0].value == "contention.py wrote no result"
+    partial = _contention(**{"two-batches": {"error": "RuntimeError: deploy failed"}})
+    del partial["scenarios"]["three-batches"]
+    by = _by_measure(bs.contention_rows(partial))
+    assert by["2 models on room for one: failed requests"].value == "RuntimeError: deploy failed"
+    assert by["3 models on room for one: failed requests"].value == "not measured in this run"
+    assert by["3 models on room for one: failed requests"].status == "n/a"

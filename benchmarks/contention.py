@@ -1,0 +1,382 @@
+"""Several people using two or three models at once on a RAM budget that holds one (issue 31).
+
+Each scenario is a fresh sandboxed host (systemd as PID 1, the real daemon: tests/integration/
+capyhost.py) with the real llama-server and the bundled SmolLM2 model, on ``ram_budget: 3GiB``:
+
+- ``big-N`` deployments of the bundled model with ``resources: {ram: 2GiB}``: one fits at a time;
+- one small deployment of the same model, ``small``, with ``resources: {ram: 512MiB}`` and
+  ``park: never``: resident beside whichever big one runs, never evicted.
+
+Before the clients begin, the big ones are started one after the other (each start evicts the one
+before, which parks as it would after a while of use), and the last one and ``small`` answer one
+request (a first prompt, outside the window). Then
+``--clients`` (8) client tasks each send one 8-token chat request after another (``max_tokens: 8``,
+``temperature: 0``, not streamed) for ``--seconds``, alternating between the big models (client i
+starts at model i mod N), and one light client asks ``small`` once a second (what a third, small
+resident service sees while the big ones swap; it counts for "no failed request", not for the big
+models' shares or the answer counts). A failed request is not retried: the client goes on to
+its next model, as the issue's reproduction did.
+
+Scenarios, all in one invocation (``--scenarios`` picks some):
+
+- ``one``: one big model, all 8 clients on it (and the light client): the upper bound;
+- ``two-batches``, ``three-batches``: two or three big models, ``swap.order: batches``;
+- ``two-arrival``, ``three-arrival``: the same with ``swap.order: arrival`` (requests served in
+  arrival order, one swap each time the model changes): the baseline batches are measured against.
+
+Per scenario: answered and failed requests (failed by HTTP status and error code), swaps (the
+daemon's ``capyctl_wakes`` and ``capyctl_evictions`` of the big models over the window, from
+/metrics), each big model's share of the answers, p50 / p99 / max latency of answered requests,
+the daemon's wakes (median of the "ready in" lines it logs at the end of each wake, the "one
+wake" of the p99 goal) and the deployments' states after the run (a ``failed`` one is named).
+bench_summary.py judges the goals of issue 31: no failed request; each model at least a fifth of
+the answers; p99 at most ``swap.wait_max`` plus one wake; at least half the answers of ``one``.
+
+Needs root (the sandbox), llama-server (scripts/setup) and the SmolLM2 package.
+Run: .venv/bin/python benchmarks/contention.py [--seconds 40] [--scenarios one,two-batches,...]
+     [--quantum 5s] [--wait-max 30s] [--json FILE]
+``--daemon-src DIR``: run the daemon from another source tree (a folder holding ``capyctl/``, such as
+``git archive OLD capyctl | tar -x -C DIR``; not under /tmp, which the sandbox does not share),
+to measure code from before a change on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+from bench_summary import p99  # noqa: E402
+
+RAM_BUDGET = "3GiB"
+BIG_RAM = "2GiB"
+SMALL_RAM = "512MiB"
+SMALL = "small"
+LIGHT = "light"  # the light client's name in the records
+LIGHT_PERIOD_S = 1.0
+PROMPT = "Say hi."
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    models: int  # big deployments
+    order: str  # swap.order
+
+
+SCENARIOS = {s.name: s for s in (Scenario("one", 1, "batches"), Scenario("two-batches", 2, "batches"),
+                                 Scenario("two-arrival", 2, "arrival"), Scenario("three-batches", 3, "batches"),
+                                 Scenario("three-arrival", 3, "arrival"))}
+
+
+def big_names(count: int) -> list[str]:
+    return [f"big-{i + 1}" for i in range(count)]
+
+
+# ---------------------------------------------------------------- pure helpers (tests/unit/test_bench_summary.py)
+
+def client_models(client: int, models: Sequence[str], count: int) -> list[str]:
+    """The first ``count`` models client ``client`` asks for: starting at ``client mod N``, then each in turn."""
+    return [models[(client + k) % len(models)] for k in range(count)]
+
+
+def summarize(records: Iterable[Sequence[Any]], models: Sequence[str], seconds: float) -> dict[str, Any]:
+    """Figures of one scenario from its requests, each ``[client, model, start_s, end_s, status, code]``
+    (status 200 answered; anything else failed, ``code`` the error body's code or what the client saw).
+    The big models' figures (answers, shares, latency) leave the light client out; failures count
+    everyone's, the light client's also on their own."""
+    records = list(records)
+    main = [r for r in records if r[0] != LIGHT]
+    answered = [r for r in main if r[4] == 200]
+    failed = [r for r in records if r[4] != 200]
+    by_code: dict[str, int] = {}
+    for r in failed:
+        key = f"{r[4]} {r[5] or ''}".strip()
+        by_code[key] = by_code.get(key, 0) + 1
+    answers = {m: sum(1 for r in answered if r[1] == m) for m in models}
+    latencies = sorted(r[3] - r[2] for r in answered)
+    light = [r for r in records if r[0] == LIGHT]
+    light_ok = sorted(r[3] - r[2] for r in light if r[4] == 200)
+    return {
+        "requests": len(main), "answered": len(answered), "failed": len(failed), "failed_by_code": by_code,
+        "answers": answers,
+        "shares": {m: (n / len(answered) if answered else 0.0) for m, n in answers.items()},
+        "min_share": min((n / len(answered) for n in answers.values()), default=0.0) if answered else 0.0,
+        "answers_per_s": len(answered) / seconds if seconds else None,
+        "p50_s": statistics.median(latencies) if latencies else None,
+        "p99_s": p99(latencies) if latencies else None,
+        "max_s": max((r[3] - r[2] for r in records), default=None),
+        "light": {"requests": len(light), "answered": len(light_ok), "failed": len(light) - len(light_ok),
+                  "p50_s": statistics.median(light_ok) if light_ok else None,
+                  "max_s": light_ok[-1] if light_ok else None},
+    }
+
+
+_SAMPLE = re.compile(r'^(?P<name>[a-z_]+)\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)$')
+
+
+def metric_values(text: str, name: str) -> dict[str, float]:
+    """Per-deployment values of one metric in a Prometheus text exposition (a counter's ``_total``
+    sample counts as its name): {deployment: value}."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if not match or match["name"] not in (name, name + "_total"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match["labels"]))
+        if "deployment" in labels:
+            found[labels["deployment"]] = float(match["value"])
+    return found
+
+
+def delta(before: dict[str, float], after: dict[str, float], names: Iterable[str]) -> int:
+    """How much the metric grew over the window, summed over ``names``."""
+    return int(round(sum(after.get(n, 0.0) - before.get(n, 0.0) for n in names)))
+
+
+# "deployment NAME: ready in 0.543s, woken from its park (...)" (controller/_actor.py, _Laps), after
+# journalctl -o short-unix's "SECONDS HOST UNIT[PID]: " prefix.
+_READY = re.compile(r"^(?P<t>\d+\.\d+) .*deployment (?P<name>\S+): ready in (?P<total>[\d.]+)s, (?P<kind>[^(]+)")
+
+
+def wakes_in(journal: str, names: Iterable[str], since: float) -> list[dict[str, Any]]:
+    """The wakes and starts of ``names`` the daemon logged at or after ``since`` (Unix seconds)."""
+    names = set(names)
+    found = []
+    for line in journal.splitlines():
+        match = _READY.match(line)
+        if match and match["name"].rstrip(":") in names and float(match["t"]) >= since:
+            found.append({"deployment": match["name"].rstrip(":"), "at": float(match["t"]),
+                          "seconds": float(match["total"]), "kind": match["kind"].strip().rstrip(",")})
+    return found
+
+
+# ---------------------------------------------------------------- the load
+
+async def _ask(http: Any, url: str, key: str, model: str) -> tuple[int, str | None]:
+    import aiohttp
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0}
+    try:
+        async with http.post(url + "/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as r:
+            raw = await r.read()
+            if r.status == 200:
+                return 200, None
+            try:
+                code = (json.loads(raw).get("error") or {}).get("code")
+            except (ValueError, AttributeError):
+                code = None
+            return r.status, code or raw[:60].decode("utf-8", "replace")
+    except asyncio.TimeoutError:
+        return 0, "client_timeout"
+    except aiohttp.ClientError as exc:
+        return 0, type(exc).__name__
+
+
+async def load(url: str, key: str, models: Sequence[str], clients: int, seconds: float,
+               request_timeout: float) -> tuple[list[list[Any]], float]:
+    """The clients for ``seconds``; every request as [client, model, start_s, end_s, status, code]
+    (seconds from the start). No request starts after ``seconds``; each ends within ``request_timeout``."""
+    import aiohttp
+    records: list[list[Any]] = []
+    began = time.monotonic()
+    deadline = began + seconds
+
+    async def client(i: int, http: aiohttp.ClientSession) -> None:
+        k = 0
+        while time.monotonic() < deadline:
+            model = models[(i + k) % len(models)]
+            k += 1
+            start = time.monotonic()
+            status, code = await _ask(http, url, key, model)
+            records.append([i, model, start - began, time.monotonic() - began, status, code])
+
+    async def light(http: aiohttp.ClientSession) -> None:
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            status, code = await _ask(http, url, key, SMALL)
+            end = time.monotonic()
+            records.append([LIGHT, SMALL, start - began, end - began, status, code])
+            await asyncio.sleep(max(0.0, LIGHT_PERIOD_S - (end - start)))
+
+    timeout = aiohttp.ClientTimeout(total=request_timeout)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        tasks = [client(i, http) for i in range(clients)] + [light(http)]
+        await asyncio.wait_for(asyncio.gather(*tasks), seconds + request_timeout + 30)
+    return records, time.monotonic() - began
+
+
+# ---------------------------------------------------------------- one scenario on a fresh host
+
+def _config(scenario: Scenario, quantum: str, wait_max: str) -> str:
+    return (f"ram_budget: {RAM_BUDGET}\nswap:\n  quantum: {quantum}\n  wait_max: {wait_max}\n"
+            f"  order: {scenario.order}\n")
+
+
+def _manifest(name: str, model: str, ram: str, extra: str = "") -> str:
+    return f"name: {name}\nengine: llama\nmodel:\n  path: {model}\nresources: {{ram: {ram}}}\n{extra}"
+
+
+async def _warm(url: str, key: str, models: Sequence[str]) -> None:
+    import aiohttp
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        for model in models:
+            status, code = await _ask(http, url, key, model)
+            if status != 200:
+                raise RuntimeError(f"warm-up request to {model}: {status} {code}")
+
+
+def _metrics(url: str, key: str) -> str:
+    import urllib.request
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return r.read().decode()
+
+
+def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, model: str) -> dict[str, Any]:
+    from tests.integration.capyhost import CapyHost
+    host = CapyHost()
+    config = host.root / "config.yaml"
+    host.env["CAPYCTL_CONFIG"] = str(config)
+    if args.daemon_src:
+        host.env["PYTHONPATH"] = str(args.daemon_src)
+    bigs = big_names(scenario.models)
+    result: dict[str, Any] = {"models": bigs, "order": scenario.order}
+    try:
+        host.boot()
+        config.write_text(_config(scenario, args.quantum, args.wait_max))
+        host.start_daemon()
+        host.cli("engine", "add", binary, "--name", "llama")
+        small = host.write_manifest(SMALL, _manifest(SMALL, model, SMALL_RAM, "park: never\n"))
+        host.cli("deploy", "model", "--file", str(small), "--activate", "--wait")
+        # Each big one started in turn: starting the next evicts the one before, which parks (its next
+        # launch armed), as after a while of use; the last one stays resident.
+        for name in bigs:
+            path = host.write_manifest(name, _manifest(name, model, BIG_RAM))
+            host.cli("deploy", "model", "--file", str(path), "--activate", "--wait")
+        key = host.create_key("--name", "bench")
+        asyncio.run(_warm(host.base_url, key, [bigs[-1], SMALL]))  # a first prompt, outside the window
+        before = _metrics(host.base_url, key)
+        since = time.time()
+        records, wall = asyncio.run(load(host.base_url, key, bigs, args.clients, args.seconds,
+                                         args.request_timeout))
+        after = _metrics(host.base_url, key)
+        journal = host.sh("journalctl", "-u", "capytest-daemon.service", "-o", "short-unix", "--no-pager",
+                          check=False).stdout
+        states = {d["name"]: [d.get("state"), d.get("reason")] for d in host.cli_json("list", "deployments")}
+    except Exception as exc:  # noqa: BLE001 - the scenario reports why and the run goes on
+        tail = host.daemon_journal(30) if host.booted else ""
+        result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}" + (f"\n{tail[-1500:]}" if tail else "")
+        return result
+    finally:
+        host.teardown()
+    wakes = wakes_in(journal, bigs, since)
+    result.update(summarize(records, bigs, args.seconds))
+    result.update({
+        "wall_s": wall,
+        "wakes": delta(metric_values(before, "capyctl_wakes"), metric_values(after, "capyctl_wakes"), bigs),
+        "evictions": delta(metric_values(before, "capyctl_evictions"), metric_values(after, "capyctl_evictions"),
+                           bigs),
+        "small_evictions": delta(metric_values(before, "capyctl_evictions"),
+                                 metric_values(after, "capyctl_evictions"), [SMALL]),
+        "wake_s": [w["seconds"] for w in wakes], "wake_kinds": sorted({w["kind"] for w in wakes}),
+        "one_wake_s": statistics.median(w["seconds"] for w in wakes) if wakes else None,
+        "states": states, "records": records,
+    })
+    return result
+
+
+def _seconds(text: str) -> float:
+    from capyctl.spec._units import parse_duration
+    return parse_duration(text)
+
+
+def render(result: dict[str, Any]) -> str:
+    """The printout: one line per scenario."""
+    lines = [f"{result['clients']} clients, {result['seconds']:.0f} s a scenario, 8-token chats; budget "
+             f"{RAM_BUDGET}, big models {BIG_RAM} each, '{SMALL}' {SMALL_RAM} resident; swap.quantum "
+             f"{result['quantum_s']:g} s, wait_max {result['wait_max_s']:g} s",
+             f"{'scenario':15}{'answered':>9}{'failed':>8}{'swaps':>6}{'min share':>10}{'p50':>9}{'p99':>9}"
+             f"{'max':>9}{'wake':>8}  failed by code; states"]
+
+    def s(v: float | None) -> str:
+        return "n/a" if v is None else f"{v:.2f}s"
+
+    for name, r in result["scenarios"].items():
+        if r.get("error"):
+            lines.append(f"{name:15}error: {r['error'].splitlines()[0]}")
+            continue
+        bad = {n: st for n, st in r["states"].items() if st[0] == "failed"}
+        lines.append(f"{name:15}{r['answered']:>9}{r['failed']:>8}{r['wakes']:>6}{r['min_share']:>10.2f}"
+                     f"{s(r['p50_s']):>9}{s(r['p99_s']):>9}{s(r['max_s']):>9}{s(r['one_wake_s']):>8}  "
+                     f"{r['failed_by_code'] or '-'}" + (f"; failed: {bad}" if bad else ""))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=40.0, help="how long the clients send, per scenario")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
+    parser.add_argument("--quantum", default="5s", help="swap.quantum")
+    parser.add_argument("--wait-max", default="30s", help="swap.wait_max")
+    parser.add_argument("--request-timeout", type=float, help="per request; default wait_max + 60 s")
+    parser.add_argument("--daemon-src", type=Path, help="run the daemon from this tree (holding capyctl/)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    wanted = [name.strip() for name in args.scenarios.split(",") if name.strip()]
+    result: dict[str, Any] = {"seconds": args.seconds, "clients": args.clients, "scenarios": {}}
+
+    def finish(error: str | None = None) -> None:
+        if error:
+            result["error"] = error
+            print(f"contention: {error}", file=sys.stderr)
+        if args.json:
+            args.json.write_text(json.dumps(result))
+        if error:
+            sys.exit(1)
+
+    unknown = [name for name in wanted if name not in SCENARIOS]
+    if unknown:
+        finish(f"no scenario {', '.join(unknown)} (there are {', '.join(SCENARIOS)})")
+    from tests.integration.capyhost import llama_server_path, smollm2_path
+    binary, model = llama_server_path(), smollm2_path()
+    if binary is None or model is None:
+        finish("needs llama-server (scripts/build-llama-server) and the SmolLM2 package (scripts/setup)")
+    if os.geteuid() != 0:
+        finish("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
+    if args.daemon_src and not (args.daemon_src / "capyctl" / "__init__.py").is_file():
+        finish(f"--daemon-src {args.daemon_src} holds no capyctl/")
+    result["quantum_s"], result["wait_max_s"] = _seconds(args.quantum), _seconds(args.wait_max)
+    if args.request_timeout is None:
+        args.request_timeout = result["wait_max_s"] + 60
+    result["request_timeout_s"] = args.request_timeout
+    source = args.daemon_src or HERE.parent
+    commit = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    result["daemon"] = str(args.daemon_src) if args.daemon_src else commit
+    # A SIGTERM (scripts/bench stopped) ends the run through the finally clauses: each host torn down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for name in wanted:
+        print(f"scenario {name}: {SCENARIOS[name].models} big model(s), order {SCENARIOS[name].order}, "
+              f"{args.seconds:.0f} s (daemon from {source})", flush=True)
+        result["scenarios"][name] = run_scenario(SCENARIOS[name], args, binary, model)
+    print(render(result))
+    finish()
+
+
+if __name__ == "__main__":
+    main()
