@@ -342,6 +342,7 @@ def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, 
     failed_states = sorted(name for name, st in (b.get("states") or {}).items() if st and st[0] == "failed")
     rows = [Row(m_failed, f"{b['failed']} of {b['requests'] + b['light']['requests']} ({_codes(b['failed_by_code'])})"
                 + (f"; left failed: {', '.join(failed_states)}" if failed_states else "")
+                + (f"; the resident one evicted {b['small_evictions']}x" if b.get("small_evictions") else "")
                 + beside(f"{a['failed']} failed" if a else ""), g_failed,
                 judge(b["failed"], GOAL_CONTENTION_FAILED, at_most=True), b["failed"])]
     shares = ", ".join(f"{m} {v:.2f}" for m, v in b["shares"].items())

@@ -12,10 +12,12 @@ before, which parks as it would after a while of use), and the last one and ``sm
 request (a first prompt, outside the window). Then
 ``--clients`` (8) client tasks each send one 8-token chat request after another (``max_tokens: 8``,
 ``temperature: 0``, not streamed) for ``--seconds``, alternating between the big models (client i
-starts at model i mod N), and one light client asks ``small`` once a second (what a third, small
-resident service sees while the big ones swap; it counts for "no failed request", not for the big
-models' shares or the answer counts). A failed request is not retried: the client goes on to
-its next model, as the issue's reproduction did.
+starts at model i mod N). ``small`` gets no request by default: it holds its room (the budget then
+holds one big model, as in the issue) and must stay resident (its evictions and state are kept).
+``--light-period 1`` adds a light client asking it once a second (it counts for "no failed
+request", not for the big models' shares or the answer counts); see LIGHT_PERIOD_S for why it is
+off. A failed request is not retried: the client goes on to its next model, as the issue's
+reproduction did.
 
 Scenarios, all in one invocation (``--scenarios`` picks some):
 
@@ -35,6 +37,7 @@ the answers; p99 at most ``swap.wait_max`` plus one wake; at least half the answ
 Needs root (the sandbox), llama-server (scripts/setup) and the SmolLM2 package.
 Run: .venv/bin/python benchmarks/contention.py [--seconds 40] [--scenarios one,two-batches,...]
      [--quantum 5s] [--wait-max 30s] [--json FILE]
+With ``--json DIR/NAME.json``, each scenario's daemon journal is kept as ``DIR/NAME.SCENARIO.journal``.
 ``--daemon-src DIR``: run the daemon from another source tree (a folder holding ``capyctl/``, such as
 ``git archive OLD capyctl | tar -x -C DIR``; not under /tmp, which the sandbox does not share),
 to measure code from before a change on the same machine.
@@ -66,7 +69,11 @@ BIG_RAM = "2GiB"
 SMALL_RAM = "512MiB"
 SMALL = "small"
 LIGHT = "light"  # the light client's name in the records
-LIGHT_PERIOD_S = 1.0
+# No light client by default: on 2 cores, two llama-servers computing at once (each with a thread
+# per core) stalled each other's requests for 9-30 s (their own print_timing lines: an 8-token chat
+# took 8.7 s on one and 8.9 s on the other), and the one-model run fell from 420 answers in 30 s to
+# 60: the CPU's contention, not the swaps this measures. --light-period 1 puts it back.
+LIGHT_PERIOD_S = 0.0
 PROMPT = "Say hi."
 
 
@@ -187,9 +194,10 @@ async def _ask(http: Any, url: str, key: str, model: str) -> tuple[int, str | No
 
 
 async def load(url: str, key: str, models: Sequence[str], clients: int, seconds: float,
-               request_timeout: float) -> tuple[list[list[Any]], float]:
+               request_timeout: float, light_period: float = LIGHT_PERIOD_S) -> tuple[list[list[Any]], float]:
     """The clients for ``seconds``; every request as [client, model, start_s, end_s, status, code]
-    (seconds from the start). No request starts after ``seconds``; each ends within ``request_timeout``."""
+    (seconds from the start). No request starts after ``seconds``; each ends within ``request_timeout``.
+    The light client asks ``small`` every ``light_period`` seconds (0: no light client)."""
     import aiohttp
     records: list[list[Any]] = []
     began = time.monotonic()
@@ -210,11 +218,11 @@ async def load(url: str, key: str, models: Sequence[str], clients: int, seconds:
             status, code = await _ask(http, url, key, SMALL)
             end = time.monotonic()
             records.append([LIGHT, SMALL, start - began, end - began, status, code])
-            await asyncio.sleep(max(0.0, LIGHT_PERIOD_S - (end - start)))
+            await asyncio.sleep(max(0.0, min(light_period - (end - start), deadline - time.monotonic())))
 
     timeout = aiohttp.ClientTimeout(total=request_timeout)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
-        tasks = [client(i, http) for i in range(clients)] + [light(http)]
+        tasks = [client(i, http) for i in range(clients)] + ([light(http)] if light_period > 0 else [])
         await asyncio.wait_for(asyncio.gather(*tasks), seconds + request_timeout + 30)
     return records, time.monotonic() - began
 
@@ -272,10 +280,10 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         before = _metrics(host.base_url, key)
         since = time.time()
         records, wall = asyncio.run(load(host.base_url, key, bigs, args.clients, args.seconds,
-                                         args.request_timeout))
+                                         args.request_timeout, args.light_period))
         after = _metrics(host.base_url, key)
-        journal = host.sh("journalctl", "-u", "capytest-daemon.service", "-o", "short-unix", "--no-pager",
-                          check=False).stdout
+        journal = host.sh("journalctl", "-u", "capytest-daemon.service", "-u", "capyctl-*.service", "-o",
+                          "short-unix", "--no-pager", check=False).stdout  # the engines' own lines too
         states = {d["name"]: [d.get("state"), d.get("reason")] for d in host.cli_json("list", "deployments")}
     except Exception as exc:  # noqa: BLE001 - the scenario reports why and the run goes on
         tail = host.daemon_journal(30) if host.booted else ""
@@ -284,6 +292,8 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
     finally:
         host.teardown()
     wakes = wakes_in(journal, bigs, since)
+    if args.json:  # the daemon's whole journal, to read what it did and when (Unix seconds)
+        (args.json.parent / f"{args.json.stem}.{scenario.name}.journal").write_text(journal)
     result.update(summarize(records, bigs, args.seconds))
     result.update({
         "wall_s": wall,
@@ -293,6 +303,7 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         "small_evictions": delta(metric_values(before, "capyctl_evictions"),
                                  metric_values(after, "capyctl_evictions"), [SMALL]),
         "wake_s": [w["seconds"] for w in wakes], "wake_kinds": sorted({w["kind"] for w in wakes}),
+        "window_start_unix": since, "wake_log": wakes,
         "one_wake_s": statistics.median(w["seconds"] for w in wakes) if wakes else None,
         "states": states, "records": records,
     })
@@ -319,7 +330,7 @@ def render(result: dict[str, Any]) -> str:
         if r.get("error"):
             lines.append(f"{name:15}error: {r['error'].splitlines()[0]}")
             continue
-        bad = {n: st for n, st in r["states"].items() if st[0] == "failed"}
+        bad = {n: st for n, st in r["states"].items() if st[0] == "failed" or (n == SMALL and st[0] != "ready")}
         lines.append(f"{name:15}{r['answered']:>9}{r['failed']:>8}{r['wakes']:>6}{r['min_share']:>10.2f}"
                      f"{s(r['p50_s']):>9}{s(r['p99_s']):>9}{s(r['max_s']):>9}{s(r['one_wake_s']):>8}  "
                      f"{r['failed_by_code'] or '-'}" + (f"; failed: {bad}" if bad else ""))
@@ -334,6 +345,8 @@ def main() -> None:
     parser.add_argument("--quantum", default="5s", help="swap.quantum")
     parser.add_argument("--wait-max", default="30s", help="swap.wait_max")
     parser.add_argument("--request-timeout", type=float, help="per request; default wait_max + 60 s")
+    parser.add_argument("--light-period", type=float, default=LIGHT_PERIOD_S,
+                        help="seconds between the light client's requests to the small model (0: none)")
     parser.add_argument("--daemon-src", type=Path, help="run the daemon from this tree (holding capyctl/)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
