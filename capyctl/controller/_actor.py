@@ -171,6 +171,7 @@ class DeploymentActor:
         self._upstream: tuple[tuple, DeploymentSpec, Upstream] | None = None  # see upstream()
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._queued_other_than_wake = 0  # queued commands that change course (see redirected)
+        self._wake_for_requests = False  # the running wake was asked by requests (_do_wake)
         self._wake_future: asyncio.Future | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -212,6 +213,12 @@ class DeploymentActor:
     def has_pending_commands(self) -> bool:
         """A park, wake or stop is queued: the deployment is about to change."""
         return not self._commands.empty()
+
+    @property
+    def abandoned(self) -> bool:
+        """The running wake was asked by requests and none waits any more (their clients left):
+        a wait for room ends rather than evict someone to serve nobody."""
+        return self._wake_for_requests and self.waiting == 0
 
     @property
     def redirected(self) -> bool:
@@ -432,7 +439,7 @@ class DeploymentActor:
 
     def _request_wake(self) -> asyncio.Future:
         if self._wake_future is None or self._wake_future.done():
-            self._wake_future = self.submit("wake", progress=self._tell_waiting)
+            self._wake_future = self.submit("wake", progress=self._tell_waiting, for_requests=True)
         return self._wake_future
 
     # -- commands -----------------------------------------------------------------------------
@@ -487,7 +494,10 @@ class DeploymentActor:
 
     # -- wake ---------------------------------------------------------------------------------
 
-    async def _do_wake(self, progress: Progress = _no_progress) -> str:
+    async def _do_wake(self, progress: Progress = _no_progress, for_requests: bool = False) -> str:
+        """``for_requests``: asked by waiting requests (not by an operator), so a wait for room
+        ends once none of them waits any more (``abandoned``)."""
+        self._wake_for_requests = for_requests
         if self.state == READY:
             return self.state
         if self.state == FAILED and time.monotonic() - self.failed_at < self._backoff():

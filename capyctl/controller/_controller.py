@@ -618,6 +618,9 @@ class Controller:
             if actor.redirected:
                 raise WakeCancelled(f"deployment {actor.name!r} was asked to do something else while it waited "
                                     "for room", retry_after=1.0)
+            if actor.abandoned:
+                raise WakeCancelled(f"no request waits for deployment {actor.name!r} any more: its wake stopped "
+                                    "waiting for room", retry_after=1.0)
             # Look again at the next change, when the quantum is up, and at least every ROOM_RECHECK_S.
             until_quantum = self.turns.quantum - waited
             await wait_for_beat(beat, min(self.turns.wait_max - waited, ROOM_RECHECK_S,

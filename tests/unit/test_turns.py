@@ -267,3 +267,30 @@ async def test_a_wait_for_room_gives_way_to_a_stop_but_not_to_another_wake(one_c
     finally:
         forever.set()
         await holder
+
+
+async def test_a_wake_whose_requests_all_left_stops_waiting_and_evicts_nobody(one_card):
+    ctl, systemd, model = one_card
+    ctl.config.swap_quantum, ctl.config.swap_wait_max = 0.2, 30.0  # the bound is not what ends it
+    a = await _deploy(ctl, model, "a")
+    b = await _deploy(ctl, model, "b")
+    forever = asyncio.Event()
+
+    async def hold_a():
+        async with ctl.acquire("a"):
+            await forever.wait()
+
+    holder = asyncio.create_task(hold_a())
+    await _until(lambda: a.state == "ready")
+    try:
+        client = asyncio.ensure_future(ctl.acquire("b").__aenter__())
+        await _until(lambda: ctl.turns.in_line("b"))
+        client.cancel()  # the only client waiting for b gives up
+        await _until(lambda: not ctl.turns.in_line("b"), timeout=2.0)
+        assert b.state == "stopped" and b.waiting == 0
+        assert (await ctl.describe("a"))["door"] == "open"  # a's clients are not held for nobody
+    finally:
+        forever.set()
+        await holder
+    await asyncio.sleep(0.3)
+    assert a.state == "ready" and ("stop", "capyctl-a.service") not in systemd.events
