@@ -343,6 +343,7 @@ class DeploymentActor:
         if progress is not None:
             self._waiting_listeners.append(progress)
         self._idle.clear()
+        admitted = False
         try:
             # Room held by busy deployments is waited for (swap.wait_max), then the wake itself.
             bound = self.controller.room_wait_max + self.spec.timeouts.wake
@@ -351,6 +352,7 @@ class DeploymentActor:
             while True:
                 if self.state == READY and self._commands.empty():
                     if self._door_mark is None or ticket < self._door_mark:
+                        admitted = True
                         break
                     beat = self._door_pulse.waiter()
                     if progress is not None and not told_door:
@@ -377,10 +379,11 @@ class DeploymentActor:
             self._waiting_tickets.discard(ticket)
             if progress is not None:
                 self._waiting_listeners.remove(progress)
-            if not self.busy:
+            if admitted:
+                self._enter()  # from waiting to in flight with nothing between: never idle meanwhile
+            elif not self.busy:
                 self._idle.set()
                 self.controller.room_changed()
-        self._enter()
 
     def _admitted_waiting(self) -> int:
         mark = self._door_mark
@@ -598,6 +601,13 @@ class DeploymentActor:
                 pass
             if not current():
                 return  # parked, stopped or restarted first: the next wake is proven on its own
+            if self.controller.room_wanted():
+                # Another deployment waits for room (_turns.py): the proof would only hold this one
+                # resident for it. A restart wake is a clean start of the same files; the proof
+                # runs after a wake that nobody waits behind.
+                self._record_wake(wake_seconds, {"result": "skipped",
+                                                 "reason": "another deployment waited for room"})
+                return
             # In flight as a request is, so that a park or stop drains it: stopped mid-generation,
             # llama-server did not exit on SIGTERM until systemd killed it 30 s later.
             self.in_flight += 1
@@ -611,6 +621,7 @@ class DeploymentActor:
                 self.in_flight -= 1
                 if not self.busy:
                     self._idle.set()
+                    self.controller.room_changed()
             if failure is not None and current():
                 self.submit("restart_after_failed_proof", launch=launch)
 

@@ -858,6 +858,9 @@ class Controller:
     def room_changed(self) -> None:
         self.turns.changed()
 
+    def room_wanted(self) -> bool:
+        return self.turns.anyone_waiting
+
     @property
     def room_wait_max(self) -> float:
         return self.turns.wait_max

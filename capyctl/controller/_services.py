@@ -69,6 +69,7 @@ class DeploymentServices(Protocol):
     def total_waiting(self) -> int: ...
     def admission_ticket(self) -> int: ...  # a waiting request's place in the daemon-wide order (_turns.py)
     def room_changed(self) -> None: ...  # a deployment went idle: wakes waiting for room look again
+    def room_wanted(self) -> bool: ...  # some deployment's wake waits for room (_turns.py)
     @property
     def room_wait_max(self) -> float: ...  # swap.wait_max: the longest wait for room held by busy ones
     @property

@@ -148,6 +148,10 @@ class Turns:
                 return position
         return len(self._line)
 
+    @property
+    def anyone_waiting(self) -> bool:
+        return bool(self._line)
+
     def waiting(self) -> dict[str, float]:
         """Who waits for room, and since when (time.monotonic()), oldest first."""
         return {name: w.since for name, w in self._line.items()}

@@ -23,6 +23,7 @@ from capyctl.spec import EngineSpec, parse_manifest
 
 GiB = 1 << 30
 HANG_GUARD = 20.0
+REAL_PROVE_AFTER_REQUESTS = DeploymentActor._prove_after_requests
 
 
 class _Systemd:
@@ -294,3 +295,69 @@ async def test_a_wake_whose_requests_all_left_stops_waiting_and_evicts_nobody(on
         await holder
     await asyncio.sleep(0.3)
     assert a.state == "ready" and ("stop", "capyctl-a.service") not in systemd.events
+
+
+async def _parked(ctl, model, name):
+    actor = await _deploy(ctl, model, name)
+    async with ctl.acquire(name):
+        pass
+    await actor.submit("park")
+    assert actor.state == "parked"
+    return actor
+
+
+async def test_the_end_of_a_proof_after_a_wake_lets_a_waiting_wake_go_on_at_once(one_card, monkeypatch):
+    """The proof after a restart wake counts as a request in flight; when it ends, a wake waiting
+    for its room must hear of it at once, not at its next periodic look (it waited a second)."""
+    ctl, systemd, model = one_card
+    ctl.config.swap_quantum = 30.0  # so only the proof's end (or the periodic look) wakes b's wait
+    proofs = []
+
+    async def slow_proof(self, woken_from_park, *args, **kwargs):
+        if woken_from_park:
+            proofs.append(self.name)
+            await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
+    monkeypatch.setattr(DeploymentActor, "_check_proof", slow_proof)
+    a = await _parked(ctl, model, "a")
+    await _deploy(ctl, model, "b")
+    async with ctl.acquire("a"):  # a wakes by restart: its proof follows this request
+        pass
+    await _until(lambda: proofs == ["a"])
+    began = time.monotonic()
+    async with ctl.acquire("b"):  # waits for a's proof, then a's room
+        waited = time.monotonic() - began
+    assert waited < 0.75, waited
+    assert a.state == "parked"
+
+
+async def test_the_proof_after_a_wake_is_deferred_while_another_deployment_waits(one_card, monkeypatch):
+    ctl, systemd, model = one_card
+    ctl.config.swap_quantum = 30.0
+    proofs = []
+
+    async def proof(self, woken_from_park, *args, **kwargs):
+        if woken_from_park:  # (a cold start records its reference through the same call)
+            proofs.append(self.name)
+
+    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
+    monkeypatch.setattr(DeploymentActor, "_check_proof", proof)
+    a = await _parked(ctl, model, "a")
+    await _deploy(ctl, model, "b")
+    release = asyncio.Event()
+
+    async def one_request_to_a():
+        async with ctl.acquire("a"):
+            await release.wait()
+
+    first = asyncio.create_task(one_request_to_a())  # a wakes by restart, its proof waits for this request
+    await _until(lambda: a.state == "ready")
+    waiting = asyncio.ensure_future(ctl.acquire("b").__aenter__())
+    await _until(lambda: ctl.turns.in_line("b"))
+    release.set()
+    await first
+    await asyncio.wait_for(waiting, HANG_GUARD)  # served: a was evicted without holding b up
+    assert proofs == []
+    assert a.park_record["proof"]["result"] == "skipped"
+    assert a.park_record["proof"]["reason"] == "another deployment waited for room"
