@@ -12,6 +12,7 @@ same with the real llama-server on a RAM budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 
@@ -105,6 +106,24 @@ async def _until(condition, timeout: float = HANG_GUARD) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def _one_request_in_flight(ctl, actor):
+    """One request to ``actor`` in flight while the block runs: its model is never idle."""
+    done = asyncio.Event()
+
+    async def hold():
+        async with ctl.acquire(actor.name):
+            await done.wait()
+
+    holder = asyncio.create_task(hold())
+    try:
+        await _until(lambda: actor.state == "ready" and actor.in_flight > 0)
+        yield
+    finally:
+        done.set()
+        await holder
+
+
 class _Clients:
     """Clients that each send requests to their models in turn, for a while, and record what
     they got: (model, start, end, error code or None)."""
@@ -182,16 +201,8 @@ async def test_past_the_bound_the_wait_ends_with_a_clear_503_and_the_deployment_
     ctl.config.swap_wait_max = 0.8
     a = await _deploy(ctl, model, "a")
     b = await _deploy(ctl, model, "b")
-    forever = asyncio.Event()
-
-    async def hold_a():
-        async with ctl.acquire("a"):
-            await forever.wait()
-
-    holder = asyncio.create_task(hold_a())
-    await _until(lambda: a.state == "ready")
-    began = time.monotonic()
-    try:
+    async with _one_request_in_flight(ctl, a):
+        began = time.monotonic()
         with pytest.raises(Exception) as caught:
             async with ctl.acquire("b"):
                 pass
@@ -201,9 +212,6 @@ async def test_past_the_bound_the_wait_ends_with_a_clear_503_and_the_deployment_
         assert "waited" in caught.value.message and "swap.wait_max" in caught.value.message
         assert 0.8 <= waited < 2.0
         assert b.state == "stopped" and a.state == "ready"
-    finally:
-        forever.set()
-        await holder
     # And once a is idle, b is served.
     async with ctl.acquire("b"):
         assert b.state == "ready"
@@ -241,15 +249,7 @@ async def test_a_wait_for_room_gives_way_to_a_stop_but_not_to_another_wake(one_c
     ctl.config.swap_quantum = 60.0  # a never yields here
     a = await _deploy(ctl, model, "a")
     b = await _deploy(ctl, model, "b")
-    forever = asyncio.Event()
-
-    async def hold_a():
-        async with ctl.acquire("a"):
-            await forever.wait()
-
-    holder = asyncio.create_task(hold_a())
-    await _until(lambda: a.state == "ready")
-    try:
+    async with _one_request_in_flight(ctl, a):
         waiting = asyncio.ensure_future(ctl.acquire("b").__aenter__())
         await _until(lambda: ctl.turns.in_line("b"))
         status = await ctl.describe("b")  # what `capyctl status deployment b` shows
@@ -265,9 +265,6 @@ async def test_a_wait_for_room_gives_way_to_a_stop_but_not_to_another_wake(one_c
         await asyncio.wait_for(stop, HANG_GUARD)
         assert b.state == "stopped" and not ctl.turns.in_line("b")
         second.cancel()
-    finally:
-        forever.set()
-        await holder
 
 
 async def test_a_wake_whose_requests_all_left_stops_waiting_and_evicts_nobody(one_card):
@@ -275,24 +272,13 @@ async def test_a_wake_whose_requests_all_left_stops_waiting_and_evicts_nobody(on
     ctl.config.swap_quantum, ctl.config.swap_wait_max = 0.2, 30.0  # the bound is not what ends it
     a = await _deploy(ctl, model, "a")
     b = await _deploy(ctl, model, "b")
-    forever = asyncio.Event()
-
-    async def hold_a():
-        async with ctl.acquire("a"):
-            await forever.wait()
-
-    holder = asyncio.create_task(hold_a())
-    await _until(lambda: a.state == "ready")
-    try:
+    async with _one_request_in_flight(ctl, a):
         client = asyncio.ensure_future(ctl.acquire("b").__aenter__())
         await _until(lambda: ctl.turns.in_line("b"))
         client.cancel()  # the only client waiting for b gives up
         await _until(lambda: not ctl.turns.in_line("b"), timeout=2.0)
         assert b.state == "stopped" and b.waiting == 0
         assert (await ctl.describe("a"))["door"] == "open"  # a's clients are not held for nobody
-    finally:
-        forever.set()
-        await holder
     await asyncio.sleep(0.3)
     assert a.state == "ready" and ("stop", "capyctl-a.service") not in systemd.events
 
