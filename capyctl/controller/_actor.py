@@ -203,11 +203,7 @@ class DeploymentActor:
     def busy(self) -> bool:
         """Requests in flight or waiting to enter: it is not parked or evicted then. Requests held
         at its closed door wait for its next turn, and do not count."""
-        if self.in_flight > 0:
-            return True
-        if self._door_mark is None:
-            return self.waiting > 0
-        return any(ticket < self._door_mark for ticket in self._waiting_tickets)
+        return self.in_flight > 0 or self._admitted_waiting() > 0
 
     @property
     def has_pending_commands(self) -> bool:
@@ -381,13 +377,22 @@ class DeploymentActor:
                 self._waiting_listeners.remove(progress)
             if admitted:
                 self._enter()  # from waiting to in flight with nothing between: never idle meanwhile
-            elif not self.busy:
-                self._idle.set()
-                self.controller.room_changed()
+            else:
+                self._idle_if_done()
 
     def _admitted_waiting(self) -> int:
+        """Waiting requests its door lets in: every one while it is open."""
         mark = self._door_mark
-        return sum(1 for ticket in self._waiting_tickets if mark is None or ticket < mark)
+        if mark is None:
+            return self.waiting
+        return sum(1 for ticket in self._waiting_tickets if ticket < mark)
+
+    def _idle_if_done(self) -> None:
+        """Nothing in flight or let in any more: it is idle, and wakes waiting for its room may
+        take it (controller/_turns.py)."""
+        if not self.busy:
+            self._idle.set()
+            self.controller.room_changed()
 
     async def _wait_at_door(self, beat: asyncio.Future, deadline: float) -> None:
         remaining = deadline - time.monotonic()
@@ -402,9 +407,7 @@ class DeploymentActor:
         """Admit only the waiting requests whose ticket is below ``mark``; later ones wait for the
         door to open (another deployment's turn comes first)."""
         self._door_mark = mark if self._door_mark is None else min(self._door_mark, mark)
-        if not self.busy:
-            self._idle.set()
-            self.controller.room_changed()
+        self._idle_if_done()
 
     def open_door(self) -> None:
         if self._door_mark is not None:
@@ -430,9 +433,7 @@ class DeploymentActor:
     def release(self) -> None:
         self.in_flight -= 1
         self.last_used = time.time()
-        if not self.busy:
-            self._idle.set()
-            self.controller.room_changed()
+        self._idle_if_done()
 
     def _retry_after(self) -> float:
         return 1.0 if self.state == READY else 5.0
@@ -619,9 +620,7 @@ class DeploymentActor:
                 return
             finally:
                 self.in_flight -= 1
-                if not self.busy:
-                    self._idle.set()
-                    self.controller.room_changed()
+                self._idle_if_done()
             if failure is not None and current():
                 self.submit("restart_after_failed_proof", launch=launch)
 
