@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 from ..errors import CapyError, Conflict, InvalidRequest
 from ._ledger import Ledger, Placement
-from ._model import (Candidate, NoRoom, Plan, Request, Victim, format_size, gpu_domain,
+from ._model import (FULL_STATES, Candidate, NoRoom, Plan, Request, Victim, format_size, gpu_domain,
                      ram_domain)
 
 # States in which a deployment may be evicted: ready instances, and parked-in-place ones that
@@ -128,7 +128,7 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
 
 # States in which a deployment is about to hold its memory (starting, waking) or to give it back
 # (parking, stopping) on its own: a wake waits for it as for a busy one.
-_IN_TRANSITION = frozenset({"starting", "waking", "parking", "stopping"})
+_IN_TRANSITION = FULL_STATES - {"ready"}
 
 
 def plan_when_idle(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now: float) -> Plan:
