@@ -334,11 +334,8 @@ async def vllm_on_two_cards(tmp_path, monkeypatch):
     registered and a model directory: (controller, systemd, launch contexts, model path)."""
     import sys
 
-    from capyctl.config import Paths
-    from capyctl.controller import Controller
     from capyctl.engines.vllm import VllmAdapter
-    from capyctl.spec import EngineSpec
-    from capyctl.store import Store
+    from tests.controllers import vllm_controller
     from tests.fakes.fake_nvml import FakeDevice, FakeNvml
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([
@@ -347,22 +344,9 @@ async def vllm_on_two_cards(tmp_path, monkeypatch):
     contexts = []
     build = VllmAdapter.build_launch
     monkeypatch.setattr(VllmAdapter, "build_launch", lambda self, ctx: contexts.append(ctx) or build(self, ctx))
-    state = tmp_path / "state"
-    state.mkdir()
-    store = Store(state / "state.db")
     systemd = _RecordingSystemd()
-    ctl = Controller(DaemonConfig(paths=Paths(state_dir=state, runtime_dir=tmp_path / "run")), store, systemd)
-    ctl.paths.secrets_dir.mkdir(parents=True)
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    store.put_engine(EngineSpec.model_validate({"kind": "engine", "name": "vllm", "type": "vllm", "path": str(venv)}))
-    model = tmp_path / "model"
-    model.mkdir()
-    try:
+    async with vllm_controller(tmp_path, systemd) as (ctl, model):
         yield ctl, systemd, contexts, model
-    finally:
-        await ctl.close()
-        store.close()
 
 
 async def test_the_controllers_launch_carries_the_planned_share_and_only_the_planned_card(vllm_on_two_cards):

@@ -18,9 +18,10 @@ import time
 
 import pytest
 
-from capyctl.config import DaemonConfig, Paths
+from capyctl.config import DaemonConfig
 from capyctl.controller._actor import DeploymentActor
-from capyctl.spec import EngineSpec, parse_manifest
+from capyctl.spec import parse_manifest
+from tests.controllers import vllm_controller
 
 GiB = 1 << 30
 HANG_GUARD = 20.0
@@ -56,8 +57,6 @@ class _Systemd:
 @pytest.fixture
 async def one_card(tmp_path, monkeypatch):
     """A Controller over one fake 80 GiB card, vLLM registered, and a model directory."""
-    from capyctl.controller import Controller
-    from capyctl.store import Store
     from tests.fakes.fake_nvml import FakeDevice, FakeNvml
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([FakeDevice("NVIDIA H100 80GB HBM3", "GPU-h100",
@@ -72,25 +71,12 @@ async def one_card(tmp_path, monkeypatch):
     monkeypatch.setattr(DeploymentActor, "_wait_healthy", healthy)
     monkeypatch.setattr(DeploymentActor, "_check_proof", proven)
     monkeypatch.setattr(DeploymentActor, "_prove_after_requests", lambda self, seconds: None)
-    state = tmp_path / "state"
-    state.mkdir()
-    store = Store(state / "state.db")
-    systemd = _Systemd()
-    config = DaemonConfig(paths=Paths(state_dir=state, runtime_dir=tmp_path / "run"))
+    config = DaemonConfig()
     config.swap_quantum, config.swap_wait_max = 0.3, 3.0
-    ctl = Controller(config, store, systemd)
-    ctl.paths.secrets_dir.mkdir(parents=True)
-    venv = tmp_path / "venv"
-    (venv / "bin").mkdir(parents=True)
-    store.put_engine(EngineSpec.model_validate({"kind": "engine", "name": "vllm", "type": "vllm", "path": str(venv)}))
-    model = tmp_path / "model"
-    model.mkdir()
     monkeypatch.setenv("CAPYCTL_ARM_PARKED", "0")
-    try:
+    systemd = _Systemd()
+    async with vllm_controller(tmp_path, systemd, config) as (ctl, model):
         yield ctl, systemd, model
-    finally:
-        await ctl.close()
-        store.close()
 
 
 async def _deploy(ctl, model, name: str, extra: str = ""):
