@@ -44,7 +44,7 @@ from ._routes import (
     is_anthropic,
     routes_served,
 )
-from ._upstream import EngineConnectionError, EngineResponse, make_engine_pool
+from ._engine_side import EngineConnectionError, EngineResponse, make_engine_pool
 from .connector import EngineConnector
 from .router import ModelEntry, Router, Upstream
 
@@ -128,7 +128,7 @@ _EXCHANGE: Any = _RequestKey("capyctl_exchange", object) if _RequestKey else "ca
 
 class Reply(Protocol):
     """Where a forwarded answer goes: aiohttp's response objects (:class:`_AiohttpReply`), or the
-    fast front's own connection (``_front``). Written by :func:`_forward` and :func:`_stream` only."""
+    front's request cycle (``_client_side.RequestCycle``)."""
 
     def whole(self, status: int, headers: dict[str, str], body: bytes) -> None:
         """The whole answer at once (Content-Length is the sink's to add)."""

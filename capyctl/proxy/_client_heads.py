@@ -35,9 +35,9 @@ try:
 except ImportError:  # pragma: no cover - a platform without its wheel: aiohttp's server alone
     httptools = None
 
-# aiohttp's limit on a request line and on one header line (aiohttp/web_protocol.py RequestHandler,
-# max_line_size and max_field_size, 8190 by default, applied in aiohttp/http_parser.py): a head the front reads
-# is never longer, so nothing the front accepts is something aiohttp would refuse for its length.
+# aiohttp's limit on a request line and on one header line (max_line_size and max_field_size,
+# 8190 by default: aiohttp/web_protocol.py RequestHandler, applied in aiohttp/http_parser.py): a
+# head the front reads is never longer, so the front accepts nothing aiohttp refuses for its length.
 HEAD_MAX = 8190
 
 # Headers whose repetition the front does not read: two keys, two lengths, two Hosts.

@@ -11,7 +11,8 @@ from aiohttp import web
 from aiohttp.log import access_logger
 
 from ..errors import CapyError
-from ._front import FrontSite, front_enabled
+from ._app import STATE
+from ._client_side import FrontSite
 
 SD_LISTEN_FDS_START = 3
 
@@ -83,7 +84,7 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
     try:
         host, port = _split_host_port(host_port or "") if sock is None else ("", 0)
         site: web.BaseSite
-        if front_enabled(app):  # the proxy: its JSON POSTs answered without aiohttp's server (_front)
+        if STATE in app:  # the proxy: its connections are the front's (_client_side), capped
             site = FrontSite(runner, sock=sock, host=host, port=port, shutdown_timeout=shutdown_timeout)
         elif sock is not None:
             site = web.SockSite(runner, sock)

@@ -1,5 +1,6 @@
 """The controller package imports in one direction, and its actor uses only the narrow
-DeploymentServices interface of the controller (capyctl/controller/_services.py)."""
+DeploymentServices interface of the controller (capyctl/controller/_services.py); the proxy's
+modules import in one direction and leave each other's private fields alone."""
 
 from __future__ import annotations
 
@@ -61,3 +62,41 @@ def test_the_mcp_server_reaches_capyctl_only_over_the_management_api():
                 assert node.module.split(".")[0] not in daemon_parts, f"{path.name} imports capyctl.{node.module}"
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 assert not any(node.module.startswith(f"capyctl.{p}") for p in daemon_parts), path.name
+
+
+PROXY = PACKAGE.parent / "proxy"
+
+
+def _private_reaches(path: Path) -> list[str]:
+    """``thing._field`` in a module where ``thing`` is not the object itself (self, cls, super())."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+            continue
+        found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_of_the_proxy_reaches_into_another_objects_private_fields():
+    # The door clients and engines pass: each object's state is changed through its own methods
+    # (issue 32: the old front reached 19 private fields of other objects).
+    assert [reach for path in sorted(PROXY.glob("*.py")) for reach in _private_reaches(path)] == []
+
+
+def test_the_proxy_package_has_no_import_cycle():
+    modules = {p.stem for p in PROXY.glob("*.py")}
+    graph = {p.stem: _imports(p) & modules for p in PROXY.glob("*.py")}
+
+    def reach(module: str, seen: set[str]) -> set[str]:
+        for target in graph[module] - seen:
+            seen.add(target)
+            reach(target, seen)
+        return seen
+    assert [module for module in sorted(graph) if module in reach(module, set())] == []
+    # The client side sits on the engine side, never the other way.
+    assert "_client_side" not in reach("_engine_side", set()) and "_client_heads" not in reach("_engine_side", set())

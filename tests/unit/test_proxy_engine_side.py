@@ -1,4 +1,4 @@
-"""The proxy's own HTTP/1.1 client to engines (capyctl/proxy/_upstream.py), against real servers:
+"""The proxy's own HTTP/1.1 client to engines (capyctl/proxy/_engine_side.py), against real servers:
 aiohttp's server for well-behaved engines, raw asyncio servers for the ways an engine misbehaves."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import AsyncIterator
 import pytest
 from aiohttp import web
 
-from capyctl.proxy import _upstream
-from capyctl.proxy._upstream import BUFFER_HIGH, EngineConnectionError, EnginePool
+from capyctl.proxy import _engine_side
+from capyctl.proxy._engine_side import BUFFER_HIGH, AnswerState, EngineConnectionError, EnginePool, EngineResponse
 
 
 class _Engine:
@@ -139,7 +139,7 @@ async def test_a_slow_reader_pauses_the_engine_socket(engine):
     e, url, pool = engine
     answer = await pool.request("GET", url, "/v1/big", b"", {})
     await asyncio.sleep(0.5)  # nothing read: the engine must be held back, not the body buffered
-    assert answer._buffered <= BUFFER_HIGH + 256 * 1024
+    assert answer.buffered <= BUFFER_HIGH + 256 * 1024
     assert e.big_written < 10 * 1024 * 1024
     body = await answer.read()
     assert len(body) == 160 * 65536 and e.big_written == len(body)
@@ -289,7 +289,7 @@ async def test_an_engine_that_is_not_there(unused_tcp_port):
 
 async def test_an_idle_connection_older_than_the_keepalive_is_not_reused(engine, monkeypatch):
     e, url, pool = engine
-    monkeypatch.setattr(_upstream, "ENGINE_KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(_engine_side, "ENGINE_KEEPALIVE_S", 0.2)
     (await pool.request("POST", url, "/v1/echo", b"1", {})).close()
     (await pool.request("POST", url, "/v1/echo", b"2", {})).close()
     assert e.connections == 1
@@ -331,22 +331,30 @@ async def test_a_base_url_that_cannot_be_reached_over_http_is_an_engine_error():
 _LLAMA_HEAD = (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nAccess-Control-Allow-Origin: \r\n"
                b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n"
                b"Keep-Alive: timeout=5, max=100\r\n\r\n")
+_TEAPOT = b"HTTP/1.1 418 I'm a teapot\r\nContent-Length: 7\r\n\r\nteapot!"
 
 
-async def _answers_on_one_connection(answers: list[list[bytes]]) -> list[tuple[int, dict, bytes] | str]:
+async def _answers_on_one_engine(answers: list[list[bytes]], *, between: float = 0.0,
+                                 ) -> tuple[list[tuple[int, dict, bytes] | str], int]:
     """Each of ``answers`` (the pieces an engine writes, with a pause between them) for one request
-    in turn on one kept-alive connection: (status, headers, body) as the pool reads them, or the
-    error's class name."""
+    in turn, ``between`` seconds apart, on a kept-alive connection while the pool keeps one:
+    (status, headers, body) as the pool reads them, or the error's class name; and how many
+    connections the engine accepted."""
+    accepted = 0
+    queue = list(answers)
+
     async def handle(reader, writer):
-        for pieces in answers:
+        nonlocal accepted
+        accepted += 1
+        while queue:
             try:
                 await _read_request(reader)
             except asyncio.IncompleteReadError:
                 return
-            for piece in pieces:
+            for piece in queue.pop(0):
                 writer.write(piece)
                 await writer.drain()
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)
         await reader.read()
 
     got: list[tuple[int, dict, bytes] | str] = []
@@ -356,73 +364,66 @@ async def _answers_on_one_connection(answers: list[list[bytes]]) -> list[tuple[i
                 async with asyncio.timeout(10):  # (only reached when what is under test is broken)
                     answer = await pool.request("POST", url, "/x", b"{}", {})
                     body = await answer.read()
-                got.append((answer.status, dict(answer._headers), body))
+                got.append((answer.status, {name: answer.header(name) for name in ("content-type", "x-hint")},
+                            body))
             except EngineConnectionError as exc:
                 got.append(type(exc).__name__)
-    return got
+            await asyncio.sleep(between)
+    return got, accepted
 
 
-async def test_an_answer_head_like_the_last_is_read_without_the_parser(monkeypatch):
-    # The second and third answers have the first's head but for their lengths: they are read
-    # from the memo, and the parser is fed the first answer alone.
-    fed: list[bytes] = []
-    real_parser = _upstream.httptools.HttpResponseParser
-
-    class CountingParser:
-        def __init__(self, protocol):
-            self._parser = real_parser(protocol)
-
-        def feed_data(self, data):
-            fed.append(data)
-            self._parser.feed_data(data)
-
-        def __getattr__(self, name):
-            return getattr(self._parser, name)
-
-    monkeypatch.setattr(_upstream.httptools, "HttpResponseParser", CountingParser)
-    bodies = [b'{"a": 1}', b'{"bb": 22}', b""]
-    got = await _answers_on_one_connection([[_LLAMA_HEAD % len(b) + b] for b in bodies])
-    for (status, headers, body), sent in zip(got, bodies):  # type: ignore[misc]
-        assert (status, body, headers[b"content-length"]) == (200, sent, str(len(sent)).encode())
-        assert headers[b"content-type"] == b"application/json; charset=utf-8"
-    assert fed == [_LLAMA_HEAD % 8 + b'{"a": 1}']
+async def test_an_answer_with_another_behind_it_in_the_same_write_stands_and_its_connection_is_dropped():
+    # RFC 9112 6.3: the body is exactly Content-Length octets; an answer nobody asked for behind it
+    # makes the connection unusable. The first answer is read as sent (not the teapot's status with
+    # both bodies joined), and the next request goes on a new connection, so the teapot never
+    # passes for its answer.
+    got, accepted = await _answers_on_one_engine([[_LLAMA_HEAD % 2 + b"{}" + _TEAPOT], [_LLAMA_HEAD % 2 + b"[]"]])
+    assert [answer[0::2] for answer in got] == [(200, b"{}"), (200, b"[]")]  # type: ignore[index]
+    assert accepted == 2
 
 
-async def test_a_remembered_head_with_its_body_in_pieces_is_read_whole():
-    body = b'{"text": "' + b"x" * 5000 + b'"}'
-    got = await _answers_on_one_connection([
-        [_LLAMA_HEAD % 2 + b"{}"],
-        [_LLAMA_HEAD % len(body) + body[:10], body[10:3000], body[3000:]],
-        [_LLAMA_HEAD % 2, b"{}"],  # the head alone first
-    ])
-    assert [answer[2] for answer in got] == [b"{}", body, b"{}"]  # type: ignore[index]
+async def test_bytes_an_engine_sends_while_no_request_is_outstanding_drop_the_connection():
+    got, accepted = await _answers_on_one_engine([[_LLAMA_HEAD % 2 + b"{}", _TEAPOT], [_LLAMA_HEAD % 2 + b"[]"]],
+                                                 between=0.3)
+    assert [answer[0::2] for answer in got] == [(200, b"{}"), (200, b"[]")]  # type: ignore[index]
+    assert accepted == 2
 
 
-@pytest.mark.parametrize("second", [
-    pytest.param(_LLAMA_HEAD.replace(b"200 OK", b"503 Service Unavailable") % 2 + b"{}", id="another-status"),
-    pytest.param(_LLAMA_HEAD.replace(b"Content-Length: %d", b"Content-Length: 0002") + b"{}", id="leading-zeros"),
-    pytest.param(_LLAMA_HEAD.replace(b"Content-Length: %d", b"Content-Length: 2 ") + b"{}", id="trailing-space"),
-    pytest.param(_LLAMA_HEAD.replace(b"max=100", b"max=99") % 2 + b"{}", id="another-header-value"),
-    pytest.param(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 b"9\r\ndata: 1\n\n\r\n0\r\n\r\n", id="chunked"),
-    pytest.param(_LLAMA_HEAD.replace(b"Content-Length: %d", b"Content-Length: 2\r\nConnection: close") + b"{}",
-                 id="closing"),
+async def test_a_connection_whose_answer_was_exact_is_reused():
+    got, accepted = await _answers_on_one_engine([[_LLAMA_HEAD % 2 + b"{}"], [_LLAMA_HEAD % 2 + b"[]"]])
+    assert [answer[0::2] for answer in got] == [(200, b"{}"), (200, b"[]")]  # type: ignore[index]
+    assert accepted == 1
+
+
+async def test_a_stray_crlf_after_an_answer_leaves_the_answer_as_it_was():
+    # (llhttp skips empty lines before a status line, as RFC 9112 2.2 asks of a reader of requests;
+    # either way the answer is the one the engine sent.)
+    got, _ = await _answers_on_one_engine([[_LLAMA_HEAD % 2 + b"{}\r\n"], [_LLAMA_HEAD % 2 + b"[]"]])
+    assert [answer[0::2] for answer in got] == [(200, b"{}"), (200, b"[]")]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("interim", [
+    pytest.param(b"HTTP/1.1 100 Continue\r\n\r\n", id="100-continue"),
+    pytest.param(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\nX-Hint: early\r\n\r\n",
+                 id="103-early-hints"),
+    pytest.param(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\n", id="two-interims"),
 ])
-async def test_an_answer_after_a_remembered_head_reads_as_the_parser_reads_it(second: bytes):
-    first = _LLAMA_HEAD % 2 + b"{}"
-    after_memo = await _answers_on_one_connection([[first], [second]])
-    afresh = await _answers_on_one_connection([[second]])
-    assert after_memo[1] == afresh[0]
+async def test_an_interim_answer_is_dropped_and_the_final_one_read(interim: bytes):
+    # RFC 9110 15.2: a 1xx is interim; the final answer follows (here 50 ms later, and with it at once).
+    for pieces in ([interim, _LLAMA_HEAD % 2 + b"{}"], [interim + _LLAMA_HEAD % 2 + b"{}"]):
+        got, accepted = await _answers_on_one_engine([pieces, [_LLAMA_HEAD % 2 + b"[]"]])
+        assert got == [(200, {"content-type": "application/json; charset=utf-8", "x-hint": None}, b"{}"),
+                       (200, {"content-type": "application/json; charset=utf-8", "x-hint": None}, b"[]")]
+        assert accepted == 1
 
 
-async def test_more_bytes_than_a_remembered_heads_length_break_the_connection():
-    # An engine that sends more than its answer's length is not trusted with the next request
-    # (llhttp would have read the rest as an answer nobody asked for).
-    got = await _answers_on_one_connection([[_LLAMA_HEAD % 2 + b"{}"], [_LLAMA_HEAD % 2 + b"{}extra"]])
-    assert got[1] == "EngineConnectionError"
+async def test_switching_protocols_is_an_error():
+    got, _ = await _answers_on_one_engine([[b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n"
+                                            b"Connection: Upgrade\r\n\r\n"]])
+    assert got == ["EngineConnectionError"]
 
 
-async def test_a_remembered_heads_body_cut_short_is_an_error():
+async def test_a_body_cut_short_is_an_error():
     async def handle(reader, writer):
         for cut in (False, True):
             await _read_request(reader)
@@ -432,6 +433,53 @@ async def test_a_remembered_heads_body_cut_short_is_an_error():
 
     async with _raw_engine(handle) as (url, pool):
         assert await (await pool.request("POST", url, "/x", b"", {})).read() == b'{"a": 123}'
-        answer = await pool.request("POST", url, "/x", b"", {})  # the head is the memo's
+        answer = await pool.request("POST", url, "/x", b"", {})
         with pytest.raises(EngineConnectionError, match="closed the connection"):
             await answer.read()
+        assert answer.state is AnswerState.FAILED and isinstance(answer.error, EngineConnectionError)
+
+
+class _Listener:
+    """An AnswerListener that writes down what it is told."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object]] = []
+        self.over = asyncio.Event()
+
+    def on_head(self, response: EngineResponse) -> None:
+        self.events.append(("head", response.status))
+
+    def on_body(self, response: EngineResponse, data: bytes) -> None:
+        self.events.append(("body", data))
+
+    def on_end(self, response: EngineResponse) -> None:
+        self.events.append(("end", response.state))
+        self.over.set()
+
+    def on_error(self, response: EngineResponse, error: BaseException) -> None:
+        self.events.append(("error", type(error).__name__))
+        self.over.set()
+
+
+async def test_a_listener_hears_one_answer_only_and_after_the_parser_read_it():
+    # The engine sends its answer and a teapot in one write: the listener hears the answer, once,
+    # and the connection, which the listener's end could have handed to another request, is gone.
+    async def handle(reader, writer):
+        await _read_request(reader)
+        writer.write(_LLAMA_HEAD % 2 + b"{}")
+        await writer.drain()
+        await _read_request(reader)
+        writer.write(_LLAMA_HEAD % 2 + b"[]" + _TEAPOT)
+        await writer.drain()
+        await reader.read()
+
+    async with _raw_engine(handle) as (url, pool):
+        (await pool.request("POST", url, "/x", b"", {})).close()
+        [kept] = pool.idle()
+        listener = _Listener()
+        answer = pool.send_now("POST", url, "/x", b"", {}, listener)
+        assert answer is not None
+        await asyncio.wait_for(listener.over.wait(), 10)
+        assert listener.events == [("head", 200), ("body", b"[]"), ("end", AnswerState.COMPLETE)]
+        answer.close()
+        assert pool.idle() == [] and not kept.reusable
