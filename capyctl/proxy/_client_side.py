@@ -198,10 +198,10 @@ class ClientConnection(asyncio.Protocol):
     # ------------------------------------------------------------ asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport  # (TCP_NODELAY: asyncio's and uvloop's default)
-        transport.set_write_buffer_limits(high=UNSENT_MAX)
-        self._flow = FlowControl(transport)
+        # (a stream transport: asyncio's, or uvloop's, which subclasses none of asyncio's classes)
+        self._transport = transport  # type: ignore[assignment]  (TCP_NODELAY: asyncio's and uvloop's default)
+        self._transport.set_write_buffer_limits(high=UNSENT_MAX)
+        self._flow = FlowControl(self._transport)
         front = self._front
         if front.open_connections() >= front.connections_max:
             self._refused = True

@@ -4,7 +4,8 @@ Which server answered shows in the answer: aiohttp's server names itself in a ``
 header, the front sends none. The engine is a small aiohttp app in this file; the Router is
 test_proxy's fake, with one model. tests/unit/test_proxy.py runs the proxy's whole behaviour through the front
 and through aiohttp's server alike; this file is about what only the front does: framing,
-keep-alive, pipelining, handing a connection to aiohttp, idle closing, shutdown.
+keep-alive, pipelining, handing a connection to aiohttp, idle closing, shutdown, bounds. Each test
+runs on asyncio's loop and on uvloop's (tests/conftest.py, pytest_asyncio_loop_factories).
 """
 
 from __future__ import annotations
