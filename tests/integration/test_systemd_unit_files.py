@@ -42,9 +42,9 @@ def install_units(sb: Sandbox) -> None:
     """Put units/ into the sandbox's /run/systemd/system with test drop-ins.
 
     The drop-ins change only what cannot be real here: the daemon binary (a stub that
-    does the socket and notify protocol), and the capyctl group and state directory,
-    because the sandbox shares the host's /etc/group and /var and the test must not
-    add a group or a directory to the host.
+    does the socket and notify protocol; no ExecReload=, which runs the binary too), and
+    the capyctl group and state directory, because the sandbox shares the host's
+    /etc/group and /var and the test must not add a group or a directory to the host.
     """
     target = sb.root / "run/systemd/system"
     for unit in ("capyctl.service", "capyctl.socket", "capyctl-api.socket", "capyctl.slice"):
@@ -53,6 +53,7 @@ def install_units(sb: Sandbox) -> None:
     (target / "capyctl.service.d" / "test.conf").write_text(
         "[Service]\nExecStart=\n"
         f"ExecStart={sys.executable} {STUB}\n"
+        "ExecReload=\n"
         "Group=root\nStateDirectory=\n")
     (target / "capyctl-api.socket.d").mkdir()
     (target / "capyctl-api.socket.d" / "test.conf").write_text("[Socket]\nSocketGroup=root\n")
@@ -99,3 +100,65 @@ def test_socket_activation_by_name_and_notify(sandbox_factory, netns: str) -> No
     # Measured 2.1 (docs/security.md, which names what is left and why: root for D-Bus to systemd,
     # the host network, NVML's devices and /proc/driver, DAC for models, engines and their sockets).
     assert exposure <= 2.1, overall
+
+
+RESOURCE_KEYS = ("MemoryHigh", "MemoryMax", "TasksMax", "LimitNOFILE")
+
+
+def _unit_settings(unit: Path, keys: tuple[str, ...]) -> dict[str, str]:
+    settings = {}
+    for line in unit.read_text().splitlines():
+        key, sep, value = line.strip().partition("=")
+        if sep and key in keys:
+            settings[key] = value
+    return settings
+
+
+def _bytes(size: str) -> int:
+    """A systemd size (1024-based suffixes) in bytes."""
+    for power, suffix in enumerate("KMGT", start=1):
+        if size.endswith(suffix):
+            return int(size[:-1]) * 1024 ** power
+    return int(size)
+
+
+@pytest.mark.sandbox
+def test_the_daemons_resource_limits_are_accepted_and_applied(sandbox_factory, netns: str) -> None:
+    """MemoryHigh=, MemoryMax=, TasksMax= and LimitNOFILE= of units/capyctl.service: systemd 252
+    parses each (a bad value is a warning, not an error, so the verify output and the values it
+    shows are both checked), and the running service gets them: its open-files limit, soft and
+    hard, and its cgroup's limits (cgroup v1, these machines: no MemoryHigh=; v2: all three)."""
+    settings = _unit_settings(UNITS / "capyctl.service", RESOURCE_KEYS)
+    assert set(settings) == set(RESOURCE_KEYS), settings
+    sb = sandbox_factory(netns=netns)
+    install_units(sb)
+    verify = sb.run(["systemd-analyze", "verify", "capyctl.service"])
+    assert verify.returncode == 0 and not verify.stderr.strip(), verify.stderr
+
+    expected = {"MemoryHigh": _bytes(settings["MemoryHigh"]), "MemoryMax": _bytes(settings["MemoryMax"]),
+                "TasksMax": int(settings["TasksMax"]), "LimitNOFILE": int(settings["LimitNOFILE"]),
+                "LimitNOFILESoft": int(settings["LimitNOFILE"])}
+    shown = sb.systemctl("show", "capyctl.service", "-p", ",".join(expected)).stdout
+    assert dict(line.split("=", 1) for line in shown.split()) == {k: str(v) for k, v in expected.items()}
+
+    sb.run(["systemctl", "start", "capyctl.service"], check=True)
+    pid = sb.systemctl("show", "-P", "MainPID", "capyctl.service").stdout.strip()
+    limits = sb.run(["cat", f"/proc/{pid}/limits"], check=True).stdout
+    open_files = next(line for line in limits.splitlines() if line.startswith("Max open files")).split()
+    assert open_files[3:5] == [str(expected["LimitNOFILE"])] * 2, open_files
+
+    cgroup = sb.systemctl("show", "-P", "ControlGroup", "capyctl.service").stdout.strip()
+    hybrid = (sb.root / "sys/fs/cgroup/unified").is_dir()  # cgroup v1 controllers, v2 mounted beside them
+    v2 = f"/sys/fs/cgroup/unified{cgroup}" if hybrid else f"/sys/fs/cgroup{cgroup}"
+
+    def read(path: str) -> str | None:
+        out = sb.run(["cat", path])
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    if read(f"{v2}/memory.max") is not None:
+        applied = {"MemoryHigh": read(f"{v2}/memory.high"), "MemoryMax": read(f"{v2}/memory.max"),
+                   "TasksMax": read(f"{v2}/pids.max")}
+    else:
+        applied = {"MemoryMax": read(f"/sys/fs/cgroup/memory{cgroup}/memory.limit_in_bytes"),
+                   "TasksMax": read(f"/sys/fs/cgroup/pids{cgroup}/pids.max")}
+    assert applied == {key: str(expected[key]) for key in applied}, applied
