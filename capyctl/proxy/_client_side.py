@@ -78,7 +78,8 @@ from ._routes import is_anthropic
 
 log = logging.getLogger("capyctl.proxy")
 
-# Idle keep-alive connections are closed after this long, as aiohttp's server does by default.
+# Idle keep-alive client connections are closed after this long, here and in aiohttp's server
+# (serve() passes it on: aiohttp's own default, RequestHandler's keepalive_timeout, is an hour).
 KEEPALIVE_S = 75.0
 # Answer bytes unsent to a client (the transport's buffer) past which its next request waits and
 # its reading pauses: asyncio's own default high-water mark, set here so that it is a stated limit.

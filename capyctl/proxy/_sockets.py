@@ -12,7 +12,7 @@ from aiohttp.log import access_logger
 
 from ..errors import CapyError
 from ._app import STATE
-from ._client_side import FrontSite
+from . import _client_side
 
 SD_LISTEN_FDS_START = 3
 
@@ -78,14 +78,15 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
     # the daemon's INFO logging), a cost on every request for what /metrics already counts.
     # CAPYCTL_ACCESS_LOG=1 turns it on for debugging.
     access_log = access_logger if os.environ.get("CAPYCTL_ACCESS_LOG") == "1" else None
+    # Idle kept-alive connections close after KEEPALIVE_S in aiohttp's server as in the front.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
-                           access_log=access_log)
+                           access_log=access_log, keepalive_timeout=_client_side.KEEPALIVE_S)
     await runner.setup()
     try:
         host, port = _split_host_port(host_port or "") if sock is None else ("", 0)
         site: web.BaseSite
         if STATE in app:  # the proxy: its connections are the front's (_client_side), capped
-            site = FrontSite(runner, sock=sock, host=host, port=port, shutdown_timeout=shutdown_timeout)
+            site = _client_side.FrontSite(runner, sock=sock, host=host, port=port, shutdown_timeout=shutdown_timeout)
         elif sock is not None:
             site = web.SockSite(runner, sock)
         else:

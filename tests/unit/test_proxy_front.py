@@ -272,6 +272,18 @@ async def test_an_idle_connection_is_closed_after_the_keepalive_time(proxy: Prox
     writer.close()
 
 
+async def test_an_idle_connection_handed_to_aiohttp_is_closed_after_the_same_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_client_side, "KEEPALIVE_S", 0.3)
+    async with _proxy_to_raw_engine(lambda n: []) as proxy:
+        reader, writer = await proxy.connect()
+        writer.write(b"GET /nope HTTP/1.1\r\nHost: p\r\n\r\n")
+        answer = await read_answer(reader)
+        assert answer.by_aiohttp and answer.status == 404
+        assert await closed(reader)
+        writer.close()
+
+
 async def test_shutdown_lets_a_stream_in_flight_finish_and_closes_idle_connections(proxy: Proxy) -> None:
     idle_reader, idle_writer = await proxy.connect()
     idle_writer.write(b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n")
