@@ -278,7 +278,7 @@ class ClientConnection(asyncio.Protocol):
         if self.gone:
             raise ConnectionResetError("The client closed the connection.")
         assert self._transport is not None
-        self._transport.writelines(parts)
+        self._transport.writelines(parts)  # (one send: uvloop buffers the parts then writes; asyncio joins them)
 
     async def drain(self) -> None:
         """Until the client took enough of what was sent; ConnectionResetError when it has gone."""
@@ -610,6 +610,10 @@ class RequestCycle:
                                          seconds=time.monotonic() - self._started)
         if self._finished is not None and not self._finished.done():
             self._finished.set_result(None)
+        # The request's objects point at each other (its exchange at this cycle, its engine answer at
+        # this listener): let go of them, so that reference counting frees them now, not the cycle
+        # collector some generations later (which let a busy daemon's memory creep up).
+        self.exchange = self._response = self._admitted = self._relay = None  # type: ignore[assignment]
         self._connection.cycle_done(self)
 
     # ------------------------------------------------------------ Reply (_app.Reply)

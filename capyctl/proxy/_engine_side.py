@@ -349,6 +349,7 @@ class EngineResponse:
         if self._released:
             return
         self._released = True
+        self._listener = None  # (told nothing more; and the two no longer hold each other)
         self._cancel_deadline()
         connection = self._connection
         connection.finish()
