@@ -71,7 +71,7 @@ from ._app import (
     reply_whole,
     unreachable,
 )
-from ._client_heads import HEAD_MAX, RequestHead, front_answers_any, read_head
+from ._client_heads import HEAD_MAX, RequestHead, front_answers_any, may_begin_head, read_head
 from ._engine_side import EngineConnectionError, EnginePool, EngineResponse
 from ._errors import error_parts
 from ._routes import is_anthropic
@@ -316,7 +316,7 @@ class ClientConnection(asyncio.Protocol):
         if head is None:
             end = buffer.find(b"\r\n\r\n", 0, HEAD_MAX)
             if end < 0:
-                if len(buffer) >= HEAD_MAX:
+                if not may_begin_head(bytes(buffer)):
                     self._hand_off()
                 return
             head = read_head(bytes(buffer[:end + 4]), self._front.state.max_body)
