@@ -161,6 +161,7 @@ class DeploymentActor:
         self._laps = _Laps()  # the current wake's stages (_do_wake)
         # A restart wake's proof, after its requests (held so the running task is not collected).
         self._proof_task: asyncio.Task | None = None
+        self._proofs_in_flight = 0  # of in_flight: the proof counts as a request, for a park to drain it
         # The park record (tier reached, wake seconds, proof after wake, the proof's reference),
         # kept in the store across daemon restarts (_parking.py).
         self.park_record: dict[str, Any] = controller.load_park_record(self.name) or new_park_record(RESTART)
@@ -204,6 +205,11 @@ class DeploymentActor:
         """Requests in flight or waiting to enter: it is not parked or evicted then. Requests held
         at its closed door wait for its next turn, and do not count."""
         return self.in_flight > 0 or self._admitted_waiting() > 0
+
+    @property
+    def serving_clients(self) -> bool:
+        """Client requests in flight or waiting to enter; the proof after a wake is none of them."""
+        return self.in_flight > self._proofs_in_flight or self._admitted_waiting() > 0
 
     @property
     def has_pending_commands(self) -> bool:
@@ -612,6 +618,7 @@ class DeploymentActor:
             # In flight as a request is, so that a park or stop drains it: stopped mid-generation,
             # llama-server did not exit on SIGTERM until systemd killed it 30 s later.
             self.in_flight += 1
+            self._proofs_in_flight += 1
             self._idle.clear()
             try:
                 failure = await self._check_proof(True, wake_seconds, current=current)
@@ -620,6 +627,7 @@ class DeploymentActor:
                 return
             finally:
                 self.in_flight -= 1
+                self._proofs_in_flight -= 1
                 self._idle_if_done()
             if failure is not None and current():
                 self.submit("restart_after_failed_proof", launch=launch)

@@ -304,6 +304,29 @@ async def test_the_end_of_a_proof_after_a_wake_lets_a_waiting_wake_go_on_at_once
     assert a.state == "parked"
 
 
+async def test_a_deployment_is_deleted_while_the_proof_after_its_wake_runs(one_card, monkeypatch):
+    # The proof counts as a request in flight so that a park or stop drains it, but it is no client's:
+    # a delete right after a wake's answer must not be refused as "requests in flight" (it was, in
+    # tests/integration/test_vllm_real.py, whose vLLM proof takes a while on CPU).
+    ctl, systemd, model = one_card
+    proving = asyncio.Event()
+
+    async def slow_proof(self, woken_from_park, *args, **kwargs):
+        if woken_from_park:
+            proving.set()
+            await asyncio.sleep(0.3)
+
+    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
+    monkeypatch.setattr(DeploymentActor, "_check_proof", slow_proof)
+    a = await _parked(ctl, model, "a")
+    async with ctl.acquire("a"):  # a wakes by restart: its proof follows this request
+        pass
+    await asyncio.wait_for(proving.wait(), HANG_GUARD)
+    assert a.busy and not a.serving_clients
+    await asyncio.wait_for(ctl.delete("a"), HANG_GUARD)
+    assert "a" not in ctl.actors
+
+
 async def test_the_proof_after_a_wake_is_deferred_while_another_deployment_waits(one_card, monkeypatch):
     ctl, systemd, model = one_card
     ctl.config.swap_quantum = 30.0
