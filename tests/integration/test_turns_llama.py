@@ -67,6 +67,22 @@ def _keep_busy(c: openai.OpenAI, model: str, done: threading.Event, errors: list
             errors.append(repr(exc))
 
 
+def _hold_a_stream(c: openai.OpenAI, model: str, done: threading.Event, errors: list) -> None:
+    """One streamed request to ``model`` kept in flight until ``done`` (then left: its client closes)."""
+    try:
+        stream = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count."}],
+                                           max_tokens=2048, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        for _ in stream:
+            if done.is_set():
+                break
+        stream.close()
+        if not done.is_set():
+            errors.append("the held stream ended before the test did")
+    except Exception as exc:  # the test asserts there are none
+        errors.append(repr(exc))
+
+
 def test_a_waiting_request_is_answered_after_a_swap_and_nothing_fails(two_models):
     host, config, key = two_models
     c = _client(host, key)
@@ -142,7 +158,11 @@ def test_past_the_bound_a_clear_503_with_retry_after_and_no_failed_deployment(tw
     assert _ask(c, "ma")
     done = threading.Event()
     errors: list = []
-    busy = [threading.Thread(target=_keep_busy, args=(c, "ma", done, errors, [])) for _ in range(2)]
+    # ma is never idle: one long stream stays in flight the whole time. (Two clients asking in turn
+    # were not enough: llama-server batched their requests, finished both at the same step, and ma
+    # was idle for the instant between their answers and their next requests; mb took its room.)
+    busy = [threading.Thread(target=_hold_a_stream, args=(c, "ma", done, errors)),
+            *(threading.Thread(target=_keep_busy, args=(c, "ma", done, errors, [])) for _ in range(2))]
     for t in busy:
         t.start()
     try:
