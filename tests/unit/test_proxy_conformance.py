@@ -35,9 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator
+from typing import Iterator
 from unittest import mock
 
 import httptools
@@ -48,12 +47,11 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 from capyctl import eventloop
-from capyctl.errors import Unavailable
-from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+from capyctl.proxy import KeyGrant, StaticKeys, build_app, serve
 from capyctl.proxy._client_heads import read_head
+from tests.unit.test_fuzz_proxy import UnwakeableRouter  # one model, parked, whose wake fails (503)
 
 KEY, OTHER_KEY = "sk-conformance", "sk-conformance-other"
-MODEL = "m"
 MAX_BODY = 64 * 1024
 BODY = b'{"model":"m","messages":[]}'
 # Silence after the last byte read for which a connection still open is taken to have said all it
@@ -64,25 +62,6 @@ FIRST_BYTE_S = 3.0
 PAUSE_S = 2.0  # the longest wait for a part's answer before the next part of a case sent part by part
 AT_ONCE = 96  # conversations at a time: each server's share is under its listen backlog (128)
 HANG_GUARD_S = 120.0  # all of them; only reached when a server misbehaves
-
-
-class UnwakeableRouter:
-    """One model, parked, whose wake fails (test_fuzz_proxy's): a documented 503 for anything admitted."""
-
-    def __init__(self) -> None:
-        self.admitted: list[str] = []
-
-    def models(self) -> list[ModelEntry]:
-        return [ModelEntry(id=MODEL, deployment=MODEL, state="parked", engine="llama.cpp", created=0)]
-
-    @asynccontextmanager
-    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
-        self.admitted.append(model)
-        raise Unavailable(f"deployment {model!r} could not be woken: conformance", code="wake_failed")
-        yield  # pragma: no cover - never reached; makes this an async generator
-
-    def stats(self) -> dict[str, dict[str, float]]:
-        return {MODEL: {"queue_depth": 0, "in_flight": 0}}
 
 
 # ---------------------------------------------------------------- the requests
