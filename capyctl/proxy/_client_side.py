@@ -224,8 +224,7 @@ class ClientConnection(asyncio.Protocol):
         assert flow is not None
         if self.cycle is None and not flow.write_paused:
             self._advance()
-        if self._buffer and not self._handed_off and (self.cycle is not None or flow.write_paused):
-            flow.pause_reading()  # the client waits (TCP) until this request's answer is sent
+        self._pause_while_ahead()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._lost = True
@@ -347,8 +346,14 @@ class ClientConnection(asyncio.Protocol):
         self._flow.resume_reading()
         if self._buffer:
             self._advance()
-            if self._buffer and self.cycle is not None and not self._handed_off:
-                self._flow.pause_reading()
+            self._pause_while_ahead()
+
+    def _pause_while_ahead(self) -> None:
+        """Read no more while bytes of a next request wait behind one being answered, or behind
+        unsent answers: the client waits (TCP) until they are done."""
+        assert self._flow is not None
+        if self._buffer and not self._handed_off and (self.cycle is not None or self._flow.write_paused):
+            self._flow.pause_reading()
 
     def _hand_off(self) -> None:
         """Give the connection, and what it sent that was not answered, to aiohttp's server."""
