@@ -34,6 +34,7 @@ from ._keys import new_engine_key
 from ._parking import (MAX_PROOF_FAILURES, generate_proof, proof_mismatch, rounded)
 from ._parking import new_record as new_park_record
 from ._parking import now as wall_clock
+from . import _prompt_cache as prompt_cache
 from ._liveness import Liveness, hung_stop_grace
 from ._members import UnitMembers, group_members
 from ._memory import gpu_order_environment
@@ -540,6 +541,9 @@ class DeploymentActor:
                     await self._launch(progress)
             await self._wait_healthy(progress, self.spec.timeouts.start)
             laps.lap("health")
+            if not woken_in_place and prompt_cache.pending_files(self.park_record):
+                await self._restore_prompt_cache(progress)
+                laps.lap("restore prompt cache")
             if woken_from_park and not woken_in_place:
                 # A wake that started the unit afresh is a clean start of the same files, as a cold
                 # start is: the requests it woke for go first, its proof follows them.
@@ -782,7 +786,9 @@ class DeploymentActor:
                             socket_path=socket_path, gpu_memory_fraction=gpu_fraction,
                             gpu_memory_budget=gpu_budget, secret_dir=engine_credentials_dir(self.unit),
                             dev_controls=ctl.dev_controls(self.host),
-                            unified_memory=ctl.unified_memory(self.host))
+                            unified_memory=ctl.unified_memory(self.host),
+                            prompt_cache_dir=prompt_cache.prompt_cache_dir(self.name)
+                            if self._keeps_prompt_cache() else None)
         plan = adapter.build_launch(ctx)
         self.socket_path = plan.socket_path
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=resolved.path)
@@ -1009,7 +1015,9 @@ class DeploymentActor:
             except (CapyError, asyncio.TimeoutError) as exc:
                 log.warning("deployment %s: in-place park failed (%s); stopping the unit", self.name, exc)
                 in_place = False
+        saved_cache = None
         if not in_place:
+            saved_cache = await self._save_prompt_cache()
             await self._stop_unit()
             self.parked_in_place = False
         self.parks += 1
@@ -1017,12 +1025,47 @@ class DeploymentActor:
         # What the park really released: memory NVML or the cgroup still shows stays charged.
         retained = await self.controller.retain_after_park(self) if in_place else {}
         self._save_park_record(tier=tier if in_place else RESTART, parked_at=wall_clock(), parked_in_place=in_place,
-                               retained=retained)
+                               retained=retained, prompt_cache=saved_cache)
         if not in_place and (idle or not evicting):
             await self._preseal()
             if self._can_arm():
                 await self._arm()
         return self.state
+
+    def _prompt_cache_identity(self) -> dict:
+        return prompt_cache.identity(self.model_path, engine_location(self.controller.engine_for(self.spec)),
+                                     list(self.spec.engine_args))
+
+    def _keeps_prompt_cache(self) -> bool:
+        # Local only: the identity is read from the files as the daemon's host sees them.
+        return not self.remote and self.controller.adapter(self.spec).keeps_prompt_cache(self.spec)
+
+    async def _save_prompt_cache(self) -> dict | None:
+        """Before a park stops the unit: the engine saves its prompt cache (_prompt_cache.py)."""
+        if not self._keeps_prompt_cache():
+            return None
+        return await prompt_cache.save(
+            self.controller.adapter(self.spec), self.controller.http, self.upstream().base_url, self.key,
+            budget=self.spec.prompt_cache.disk, timeout=self.spec.timeouts.park,
+            directory=prompt_cache.prompt_cache_dir(self.name), identity_now=self._prompt_cache_identity())
+
+    async def _restore_prompt_cache(self, progress: Progress) -> None:
+        """After a wake's health check, before any request is admitted."""
+        saved = self.park_record.get("prompt_cache") or {}
+        progress(f"restoring the prompt cache saved at the park ({saved.get('tokens', 0)} tokens)")
+        result = await prompt_cache.restore(
+            self.controller.adapter(self.spec), self.controller.http, self.upstream().base_url, self.key, saved,
+            timeout=self.spec.timeouts.wake, directory=prompt_cache.prompt_cache_dir(self.name),
+            identity_now=self._prompt_cache_identity())
+        self._save_park_record(prompt_cache={**result, "at": wall_clock()})
+
+    def _drop_prompt_cache(self) -> None:
+        """A stop or delete: a cache saved at a park is not kept past it."""
+        files = prompt_cache.pending_files(self.park_record)
+        if files:
+            prompt_cache.remove_files(prompt_cache.prompt_cache_dir(self.name), files)
+            self._save_park_record(prompt_cache={"state": prompt_cache.DROPPED, "why": "the deployment was stopped",
+                                                 "files": [], "tokens": 0})
 
     async def _preseal(self) -> None:
         """Seal the next launch's key now, while nobody waits, so the wake that restarts the unit
@@ -1071,6 +1114,7 @@ class DeploymentActor:
             except Busy:
                 pass  # an explicit stop goes ahead after the grace time
             await self._stop_unit()
+        self._drop_prompt_cache()
         self.parked_in_place = False
         self.failures = 0
         self._set(STOPPED)

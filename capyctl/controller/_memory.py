@@ -166,9 +166,10 @@ def footprint(actor: PlacedDeployment, largest_card: int | None = None) -> Footp
     A GPU estimate at least as large as ``largest_card`` asks for whole cards."""
     spec = actor.spec
     size = _model_size(actor)
-    # Weights plus KV cache and runtime: measured 177 MB RSS for a 98 MB GGUF at -c 2048.
-    ram = spec.resources.ram or int(size * 1.5) + (128 << 20)
     adapter = actor.controller.adapter(spec)
+    # Weights plus KV cache and runtime (measured 177 MB RSS for a 98 MB GGUF at -c 2048), and
+    # the host-RAM prompt cache the engine was told it may fill (llama-server --cache-ram).
+    ram = spec.resources.ram or int(size * 1.5) + (128 << 20) + adapter.prompt_cache_ram(spec, _model_path(actor))
     # The tier resolved against the actor's host (engines/_tiers.py): restart parks by stopping,
     # deep keeps nothing, host_backed what the engine says (vLLM level 1's and SGLang's CPU backup
     # of the weights; a custom engine's declared park).
@@ -407,7 +408,9 @@ class MemoryPlanner:
                 changed["gpu_memory"] = gpu_memory
         ram_charge = None
         if actor.spec.resources.ram is None and ram:
-            ram_charge = math.ceil(ram * RAM_MEASURE_MARGIN) + RAM_MEASURE_SLACK
+            # Measured at ready, the prompt cache is still empty: what it may grow into stays charged.
+            cache = actor.controller.adapter(actor.spec).prompt_cache_ram(actor.spec, _model_path(actor))
+            ram_charge = math.ceil(ram * RAM_MEASURE_MARGIN) + RAM_MEASURE_SLACK + cache
             changed["ram"] = ram_charge
         if changed:
             self.ledger.correct(actor.name, gpu_memory=gpu_memory, ram=ram_charge)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from ..errors import CapyError
 from ..spec import EngineSpec
 from ..spec.models import ENGINE_KIND_ALIASES
-from ._base import DEFAULT_KEY_ENV, KEY_CREDENTIAL, EngineAdapter, LaunchContext, LaunchPlan, ParkMethod
+from ._base import (DEFAULT_KEY_ENV, KEY_CREDENTIAL, EngineAdapter, LaunchContext, LaunchPlan, ParkMethod,
+                    RestoredPromptCache, SavedPromptCache)
 from ._detect import detect_engine, find_engines
 from .custom import CustomAdapter
 from .llamacpp import LlamaCppAdapter
@@ -40,7 +41,8 @@ def adapter_for(kind: str, engine: EngineSpec | None = None) -> EngineAdapter:
 
 
 __all__ = [
-    "DEFAULT_KEY_ENV", "KEY_CREDENTIAL", "KINDS", "EngineAdapter", "LaunchContext", "LaunchPlan", "ParkMethod", "adapter_for",
+    "DEFAULT_KEY_ENV", "KEY_CREDENTIAL", "KINDS", "EngineAdapter", "LaunchContext", "LaunchPlan", "ParkMethod",
+    "RestoredPromptCache", "SavedPromptCache", "adapter_for",
     "detect_engine",
     "find_engines",
 ]

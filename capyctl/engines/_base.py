@@ -65,6 +65,10 @@ class LaunchContext:
     # Whether the host's GPU and host memory are one pool (its record's unified_memory): the park
     # tier resolved for the launch (engines/_tiers.py) never keeps weights in host RAM there.
     unified_memory: bool = False
+    # Where the engine may write what it saves of its prompt cache at a park, for adapters whose
+    # ``keeps_prompt_cache`` is True (a directory the engine's own user can write, kept across
+    # launches). None: nothing is kept across a park.
+    prompt_cache_dir: str | None = None
 
     @property
     def park_tier(self) -> str:
@@ -128,6 +132,31 @@ class LaunchPlan:
         """The variables the unit sets from credentials at exec time: each of secret_environment
         from KEY_CREDENTIAL (TransientUnit.credential_environment)."""
         return {name: KEY_CREDENTIAL for name in self.secret_environment}
+
+
+@dataclass(frozen=True)
+class SavedPromptCache:
+    """What an engine saved of its prompt cache at a park: files in the launch's prompt_cache_dir.
+
+    ``seconds_per_token`` is the engine's own measured prefill time per prompt token before the
+    park (None: it did not say), from which the wake reports the time the restore saved."""
+
+    files: tuple[str, ...]
+    tokens: int
+    bytes: int
+    seconds: float
+    seconds_per_token: float | None = None
+
+
+@dataclass(frozen=True)
+class RestoredPromptCache:
+    """What a wake restored of a saved prompt cache; ``refused`` lists the files the engine would
+    not take (its reason each), which are lost but harmless."""
+
+    tokens: int
+    bytes: int
+    seconds: float
+    refused: tuple[str, ...] = ()
 
 
 def headers_for(key: str | None) -> dict[str, str]:
@@ -287,6 +316,26 @@ class EngineAdapter(ABC):
     async def is_parked(self, session: aiohttp.ClientSession, base_url: str, key: str | None) -> bool | None:
         """Whether the engine reports itself parked; None when the engine cannot tell."""
         return None
+
+    def keeps_prompt_cache(self, deployment: DeploymentSpec) -> bool:
+        """Whether a park by stopping can save this engine's prompt cache and its wake restore it."""
+        return False
+
+    def prompt_cache_ram(self, deployment: DeploymentSpec, model_path: str | None) -> int:
+        """Host RAM the engine's in-memory prompt cache may grow into beyond what a fresh engine
+        holds: planned, passed to the engine, and charged in the memory ledger."""
+        return 0
+
+    async def save_prompt_cache(self, session: aiohttp.ClientSession, base_url: str, key: str | None,
+                                budget: int) -> SavedPromptCache:
+        """Save the prompt cache into the launch's prompt_cache_dir, at most ``budget`` bytes
+        (``bytes`` over it says the files must be dropped). The caller has drained requests."""
+        raise EngineError(f"{self.kind} cannot save its prompt cache", code="prompt_cache_unsupported")
+
+    async def restore_prompt_cache(self, session: aiohttp.ClientSession, base_url: str, key: str | None,
+                                   files: tuple[str, ...]) -> RestoredPromptCache:
+        """Load what :meth:`save_prompt_cache` saved, before any request is admitted."""
+        raise EngineError(f"{self.kind} cannot restore a prompt cache", code="prompt_cache_unsupported")
 
 
 def deployment_of(target: LaunchContext | DeploymentSpec) -> DeploymentSpec:

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
-from ..errors import CapyError
+import aiohttp
+
+from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec, EngineSpec
-from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, cuda_environment, has_flag,
-                    require_path, user_environment)
+from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, RestoredPromptCache, SavedPromptCache,
+                    call, cuda_environment, has_flag, require_path, user_environment)
 from ._gguf import read_metadata, read_string_metadata
 from ._gpu_layers import context_size, gguf_layout
 
@@ -42,6 +45,23 @@ POOLING_FLAG = "--pooling"
 # compatible". The last token's hidden state is what vLLM's converted embedding models use
 # (model_executor/models/adapters.py as_embedding_model, vLLM 0.32.0).
 CAUSAL_LM_POOLING = "last"
+
+# The host-RAM prompt cache (common/arg.cpp: "-cram, --cache-ram N ... in MiB (default: 8192,
+# -1 - no limit, 0 - disable)"). The server keeps there the KV state of prompts a slot gave up
+# (server_prompt_cache in tools/server/server-task.cpp, evicting the oldest past the limit), so
+# unplanned it lets one engine grow by 8 GiB that no ledger counts.
+CACHE_RAM_FLAGS = ("-cram", "--cache-ram")
+# Without a manifest figure the cache holds two full contexts' KV: one conversation can be set
+# aside for another and come back without its prefill.
+CACHE_RAM_CONTEXTS = 2
+# What llama-server holds beyond its weights and KV cache: compute buffers, the tokenizer, the
+# HTTP server (measured in _memory.py's estimate too).
+RUNTIME_RAM = 128 << 20
+MIB = 1 << 20
+# The slot files a park saves (POST /slots/{id}?action=save with {"filename": ...},
+# handle_slots_save in tools/server/server-context.cpp; the name must pass fs_validate_filename
+# and lands in --slot-save-path).
+SLOT_FILE = "capyctl-slot-{id}.bin"
 
 
 def deployment_task(deployment: DeploymentSpec) -> str:
@@ -84,6 +104,41 @@ def gpu_layers(ctx: LaunchContext) -> str:
     return str(layout.layers_that_fit(n_ctx, ctx.gpu_memory_budget, cards))
 
 
+def _flag_value(args: list[str], *names: str) -> str | None:
+    value = None
+    for i, arg in enumerate(args):
+        if arg in names and i + 1 < len(args):
+            value = args[i + 1]
+        elif any(arg.startswith(n + "=") for n in names if n.startswith("--")):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def cache_ram_bytes(deployment: DeploymentSpec, model_path: str | None) -> int:
+    """The host RAM llama-server's prompt cache may hold (passed as --cache-ram, in MiB).
+
+    A --cache-ram in engine_args is taken as it is; else the manifest's prompt_cache.ram, else
+    CACHE_RAM_CONTEXTS contexts' KV cache. Either of the last two is cut to what resources.ram
+    leaves beside the weights, the KV cache and the runtime, so the engine cannot outgrow its
+    unit's MemoryMax through its cache."""
+    given = _flag_value(list(deployment.engine_args), *CACHE_RAM_FLAGS)
+    if given is not None:
+        try:
+            return max(0, int(given)) * MIB
+        except ValueError:
+            return 0  # llama-server refuses the value itself
+    layout = gguf_layout(model_path) if model_path else None
+    n_ctx = context_size(list(deployment.engine_args), DEFAULT_CONTEXT, layout)
+    kv = layout.kv_cache(n_ctx) if layout is not None else 0
+    wanted = deployment.prompt_cache.ram
+    if wanted is None:
+        wanted = CACHE_RAM_CONTEXTS * kv
+    if deployment.resources.ram is not None:
+        weights = layout.file_size if layout is not None else 0
+        wanted = min(wanted, max(0, deployment.resources.ram - weights - kv - RUNTIME_RAM))
+    return wanted // MIB * MIB
+
+
 def is_native_decision_model(model_path: str) -> bool:
     try:
         meta = read_string_metadata(model_path, {"general.architecture", "general.name"})
@@ -118,6 +173,10 @@ class LlamaCppAdapter(EngineAdapter):
         return frozenset(caps)
 
     def check_task(self, deployment: DeploymentSpec) -> None:
+        if _flag_value(list(deployment.engine_args), *CACHE_RAM_FLAGS) == "-1":
+            raise CapyError(f"deployment {deployment.name!r} sets --cache-ram -1, a prompt cache without a limit, "
+                            "which no memory plan can hold; give a size in MiB or set prompt_cache.ram",
+                            code="prompt_cache_unbounded", status=400, detail={"field": "engine_args"})
         # --reranking sets pooling RANK (common/arg.cpp), so /v1/embeddings would answer scores.
         if deployment.task == "embed" and has_flag(deployment.engine_args, *RERANK_FLAGS):
             raise CapyError(f"deployment {deployment.name!r} sets task: embed but its engine_args set --reranking, "
@@ -126,6 +185,85 @@ class LlamaCppAdapter(EngineAdapter):
 
     def park_method(self, target: LaunchContext | DeploymentSpec) -> ParkMethod:
         return "stop"
+
+    def keeps_prompt_cache(self, deployment: DeploymentSpec) -> bool:
+        return deployment.prompt_cache.keep_across_park
+
+    def prompt_cache_ram(self, deployment: DeploymentSpec, model_path: str | None) -> int:
+        return cache_ram_bytes(deployment, model_path)
+
+    async def save_prompt_cache(self, session: aiohttp.ClientSession, base_url: str, key: str | None,
+                                budget: int) -> SavedPromptCache:
+        # GET /slots lists each slot's "id" and, once it served a task, "n_prompt_tokens": the
+        # tokens whose KV it holds (server_slot::to_json, tools/server/server-context.cpp).
+        slots = await call(session, "GET", base_url, "/slots", key, code="prompt_cache_save_failed",
+                           what="listing the engine's slots")
+        seconds_per_token = await self._seconds_per_prompt_token(session, base_url, key)
+        files: list[str] = []
+        tokens = size = 0
+        seconds = 0.0
+        for slot in slots if isinstance(slots, list) else []:
+            if not isinstance(slot, dict) or not isinstance(slot.get("id"), int) or not slot.get("n_prompt_tokens"):
+                continue
+            name = SLOT_FILE.format(id=slot["id"])
+            # {"id_slot", "filename", "n_saved", "n_written", "timings": {"save_ms"}}
+            # (server_task_result_slot_save_load::to_json, tools/server/server-task.cpp).
+            answer = await call(session, "POST", base_url, f"/slots/{slot['id']}", key, params={"action": "save"},
+                                json={"filename": name}, code="prompt_cache_save_failed", what="saving a slot")
+            files.append(name)
+            tokens += int(answer.get("n_saved") or 0)
+            size += int(answer.get("n_written") or 0)
+            seconds += float((answer.get("timings") or {}).get("save_ms") or 0) / 1000
+            if size > budget:
+                break  # the caller drops them all: over the budget, the cache is not kept
+        return SavedPromptCache(files=tuple(files), tokens=tokens, bytes=size, seconds=seconds,
+                                seconds_per_token=seconds_per_token)
+
+    async def restore_prompt_cache(self, session: aiohttp.ClientSession, base_url: str, key: str | None,
+                                   files: tuple[str, ...]) -> RestoredPromptCache:
+        tokens = size = 0
+        seconds = 0.0
+        refused: list[str] = []
+        for name in files:
+            match = re.fullmatch(SLOT_FILE.format(id=r"(\d+)"), name)
+            if match is None:
+                continue
+            # A refusal ("No available space in KV cache or invalid slot save file", "Restored
+            # prompt does not fit in the slot context": handle SLOT_RESTORE in server-context.cpp)
+            # clears that slot and loses only its cache.
+            try:
+                answer = await call(session, "POST", base_url, f"/slots/{match.group(1)}", key,
+                                    params={"action": "restore"}, json={"filename": name},
+                                    code="prompt_cache_restore_failed", what="restoring a slot")
+            except EngineError as exc:
+                if exc.code == "engine_unreachable":
+                    raise
+                refused.append(f"{name}: {exc.message}")
+                continue
+            tokens += int(answer.get("n_restored") or 0)
+            size += int(answer.get("n_read") or 0)
+            seconds += float((answer.get("timings") or {}).get("restore_ms") or 0) / 1000
+        return RestoredPromptCache(tokens=tokens, bytes=size, seconds=seconds, refused=tuple(refused))
+
+    async def _seconds_per_prompt_token(self, session: aiohttp.ClientSession, base_url: str,
+                                        key: str | None) -> float | None:
+        """The engine's own prefill time per prompt token so far: llamacpp:prompt_seconds_total
+        over llamacpp:prompt_tokens_total (server_task_result_metrics::to_metrics,
+        tools/server/server-task.cpp; served with --metrics). Cached tokens count in neither."""
+        try:
+            text = await call(session, "GET", base_url, "/metrics", key, code="metrics_failed", what="reading metrics")
+        except EngineError:
+            return None
+        values: dict[str, float] = {}
+        for line in str(text).splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("llamacpp:prompt_seconds_total", "llamacpp:prompt_tokens_total"):
+                try:
+                    values[name] = float(value)
+                except ValueError:
+                    pass
+        tokens = values.get("llamacpp:prompt_tokens_total") or 0
+        return values.get("llamacpp:prompt_seconds_total", 0.0) / tokens if tokens > 0 else None
 
     def build_launch(self, ctx: LaunchContext) -> LaunchPlan:
         self.check_task(ctx.deployment)
@@ -147,6 +285,14 @@ class LlamaCppAdapter(EngineAdapter):
             argv += [POOLING_FLAG, CAUSAL_LM_POOLING]
         if task == "rerank" and not has_flag(extra, *RERANK_FLAGS):
             argv.append("--reranking")
+        if not has_flag(extra, *CACHE_RAM_FLAGS):
+            argv += ["--cache-ram", str(cache_ram_bytes(ctx.deployment, ctx.model_path) // MIB)]
+        if ctx.prompt_cache_dir is not None and self.keeps_prompt_cache(ctx.deployment):
+            # --slot-save-path must name an existing directory (common/arg.cpp); /metrics (--metrics)
+            # gives the prefill rate the park record's time saved is computed from.
+            argv += ["--slot-save-path", ctx.prompt_cache_dir]
+            if not has_flag(extra, "--metrics"):
+                argv.append("--metrics")
         secret_environment = {}
         if ctx.key_file is not None:
             # "--api-key-file FNAME: path to file containing API keys, one per line" (common/arg.cpp,

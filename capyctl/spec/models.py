@@ -101,6 +101,22 @@ class Timeouts(_Strict):
         "again. Probed every few seconds; noticed within about this plus 10s.")
 
 
+class PromptCache(_Strict):
+    """The engine's prompt cache: what a park keeps of it, and the host RAM it may grow into."""
+
+    keep_across_park: bool = Field(
+        default=True, description="Save the engine's prompt cache at a park and restore it at the wake, "
+        "so a long conversation's next turn skips its prefill (llama.cpp; see docs/engines-and-parking.md "
+        "for the other engines). Dropped, not restored, when the model file, the engine or engine_args changed.")
+    disk: Size = Field(
+        default=2 << 30, description="The most the saved cache may take on disk (2GiB); a park whose cache is "
+        "larger drops it.")
+    ram: Size | None = Field(
+        default=None, description="Host RAM for the engine's in-memory prompt cache (llama-server "
+        "`--cache-ram`), charged in the memory plan and within resources.ram. Unset: two full contexts' KV "
+        "cache, at most what resources.ram leaves beside the model; 0 turns the cache off.")
+
+
 class DeploymentSpec(_Strict):
     """A deployment manifest. Only ``name``, ``engine`` and ``model`` are required."""
 
@@ -148,6 +164,7 @@ class DeploymentSpec(_Strict):
     idle_park_after: Duration | None = Field(default=None, description="Park after this long with no request (10m, 1h); unset: only to make room.")
     queue: int = Field(default=64, ge=1, le=100000, description="Most requests that may wait for this deployment; more get 429.")
     timeouts: Timeouts = Field(default_factory=Timeouts)
+    prompt_cache: PromptCache = Field(default_factory=PromptCache)
 
     @field_validator("engine")
     @classmethod

@@ -73,6 +73,17 @@ def packaged_sandbox(unit: Path = REPO / "units" / "capyctl.service") -> list[st
     return settings
 
 
+def exec_start_pre(unit: Path = REPO / "units" / "capyctl.service") -> list[tuple[list[str], bool]]:
+    """The unit's ExecStartPre= commands, each with whether its failure fails the start (no "-")."""
+    commands = []
+    for line in unit.read_text().splitlines():
+        if line.startswith("ExecStartPre="):
+            value = line.split("=", 1)[1]
+            prefix = value[:len(value) - len(value.lstrip("-+!@:"))]
+            commands.append((value[len(prefix):].split(), "-" not in prefix))
+    return commands
+
+
 class CapyHost:
     def __init__(self, name: str | None = None, *, env: dict[str, str] | None = None) -> None:
         self.name = name or f"capy{secrets.token_hex(3)}"
@@ -112,8 +123,9 @@ class CapyHost:
         env = {"CAPYCTL_STATE_DIR": str(self.state_dir), "CAPYCTL_RUNTIME_DIR": str(self.runtime_dir),
                "CAPYCTL_LOG_LEVEL": "DEBUG", **self.env}
         self.sh("systemctl", "reset-failed", "capytest-daemon.service", check=False)
-        # What units/capyctl.service's ExecStartPre=+ does before the sandboxed daemon starts.
-        self.sh("systemd-creds", "setup", check=False)
+        # What units/capyctl.service's ExecStartPre=+ lines do before the sandboxed daemon starts.
+        for command, must_succeed in exec_start_pre():
+            self.sh(*command, check=must_succeed)
         argv = ["systemd-run", "--unit=capytest-daemon", "--service-type=notify", "--collect",
                 f"--property=TimeoutStartSec={int(timeout)}"]
         argv += [f"--property={setting}" for setting in packaged_sandbox()]

@@ -1,0 +1,108 @@
+"""A conversation's prompt cache survives a park by stopping (issue 33): llama-server saves its
+slots at the park (POST /slots/{id}?action=save), the wake restores them before any request is
+admitted, and the next turn reuses them: llama-server's own answer says how many prompt tokens
+came from its cache ("timings": {"cache_n"}, tools/server/server-common.cpp). A changed model
+file is refused, and the files are gone once restored, refused, or deleted. Real systemd, real
+llama-server, the official openai client."""
+
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+
+from tests.integration.capyhost import CapyHost
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.llama]
+
+CACHE_DIR = "/var/cache/capyctl-engine/smollm2"
+# Some 1,300 tokens of SmolLM2's tokenizer: long enough that its prefill dominates a turn.
+LONG_TEXT = " ".join(f"Note {i}: the capybara colony at pond {i % 7} moved {i * 3} metres north today."
+                     for i in range(60))
+
+
+def deploy(host: CapyHost, model: str) -> openai.OpenAI:
+    manifest = host.write_manifest("smollm2", f"name: smollm2\nengine: llama\nmodel: {{path: {model}}}\n")
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    return openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=300)
+
+
+def turn(client: openai.OpenAI, messages: list[dict]) -> tuple[str, int]:
+    """One turn: the answer, and how many of its prompt tokens llama-server took from its cache."""
+    answer = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0)
+    timings = (answer.model_extra or {}).get("timings") or {}
+    return answer.choices[0].message.content or "", int(timings.get("cache_n", -1))
+
+
+def conversation(client: openai.OpenAI) -> list[dict]:
+    """The first turn of a long conversation, and the messages of its second turn."""
+    first = [{"role": "user", "content": LONG_TEXT + "\nWhich pond is mentioned first?"}]
+    reply, _ = turn(client, first)
+    return first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And which one last?"}]
+
+
+def saved_files(host: CapyHost) -> list[str]:
+    out = host.sh("sh", "-c", f"ls {CACHE_DIR}/ 2>/dev/null | grep '^capyctl-slot-' || true").stdout
+    return out.split()
+
+
+def prompt_cache(host: CapyHost) -> dict:
+    return host.cli_json("status", "deployment", "smollm2")["park_record"].get("prompt_cache") or {}
+
+
+def test_the_next_turn_after_a_wake_reuses_the_conversation(capyhost, smollm2):
+    client = deploy(capyhost, smollm2)
+    second = conversation(client)
+    capyhost.cli("park", "deployment", "smollm2")
+    saved = prompt_cache(capyhost)
+    assert saved["state"] == "saved", saved
+    assert saved["tokens"] > 1000 and saved["bytes"] > 0, saved
+    assert saved_files(capyhost) == saved["files"] and saved["files"], saved
+
+    _, cached = turn(client, second)  # wakes the deployment
+    restored = prompt_cache(capyhost)
+    assert restored["state"] == "restored", restored
+    assert restored["tokens"] == saved["tokens"], restored
+    assert restored["seconds_saved"] is not None and restored["seconds_saved"] > 0, restored
+    assert cached > 1000, f"the turn after the wake took only {cached} prompt tokens from the cache"
+    assert saved_files(capyhost) == []  # restored: nothing stays on disk
+
+    # Parked again and deleted: the files saved at that park go with the deployment.
+    capyhost.cli("park", "deployment", "smollm2")
+    assert saved_files(capyhost)
+    capyhost.cli("delete", "deployment", "smollm2")
+    assert saved_files(capyhost) == []
+
+
+def test_a_wake_without_the_cache_prefills_again(capyhost, smollm2):
+    """The control: keep_across_park off, the same turn after a wake takes nothing from a cache."""
+    manifest = capyhost.write_manifest(
+        "smollm2", f"name: smollm2\nengine: llama\nmodel: {{path: {smollm2}}}\nprompt_cache: {{keep_across_park: false}}\n")
+    capyhost.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    client = openai.OpenAI(base_url=capyhost.base_url + "/v1", api_key=capyhost.create_key(), max_retries=0,
+                           timeout=300)
+    second = conversation(client)
+    capyhost.cli("park", "deployment", "smollm2")
+    assert prompt_cache(capyhost) == {}
+    assert saved_files(capyhost) == []
+    _, cached = turn(client, second)
+    assert cached < 100, cached
+
+
+def test_a_changed_model_file_refuses_the_saved_cache(capyhost, smollm2):
+    model = str(capyhost.root / "smollm2.gguf")
+    shutil.copyfile(smollm2, model)
+    client = deploy(capyhost, model)
+    second = conversation(client)
+    capyhost.cli("park", "deployment", "smollm2")
+    assert prompt_cache(capyhost)["state"] == "saved"
+    # The same weights, rewritten: CapyCTL cannot tell a re-download from other weights of the
+    # same shape, which llama.cpp would restore without a word, so it refuses both.
+    shutil.copyfile(smollm2, model + ".new")
+    shutil.move(model + ".new", model)
+    _, cached = turn(client, second)
+    refused = prompt_cache(capyhost)
+    assert refused["state"] == "refused" and "model file changed" in refused["why"], refused
+    assert cached < 100, cached
+    assert saved_files(capyhost) == []
