@@ -7,6 +7,7 @@ llama-server, the official openai client."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import openai
@@ -106,3 +107,56 @@ def test_a_changed_model_file_refuses_the_saved_cache(capyhost, smollm2):
     assert refused["state"] == "refused" and "model file changed" in refused["why"], refused
     assert cached < 100, cached
     assert saved_files(capyhost) == []
+
+
+def distinct_prompt(k: int) -> list[dict]:
+    """A long prompt sharing no more than the chat template's first tokens with any other k."""
+    text = " ".join(f"Record {k}-{i}: herd {k * 31 + i} grazed {i * k + 5} metres from river {k}." for i in range(55))
+    return [{"role": "user", "content": f"Ledger {k}. {text}\nHow many records are there?"}]
+
+
+def fill_the_prompt_cache(host: CapyHost, engine_args: str, prompts: int) -> tuple[str, str]:
+    """Deploy under MemoryMax=320M (-c 2048), send ``prompts`` distinct long prompts one after
+    another: with llama-server's --cache-idle-slots (on by default) each new task moves the idle
+    slots into its host-RAM prompt cache (server-context.cpp), so each prompt adds its KV state
+    there until the cache's limit. Returns the engine's MainPID before and after."""
+    manifest = host.write_manifest(
+        "smollm2", f"name: smollm2\nengine: llama\nmodel: {{path: {host_model(host)}}}\n"
+        f"resources: {{ram: 320MiB}}\nengine_args: [-c, '2048'{engine_args}]\n")
+    host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+    client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=300)
+    unit = "capyctl-smollm2.service"
+    before = host.unit_property(unit, "MainPID")
+    for k in range(prompts):
+        try:
+            turn(client, distinct_prompt(k))
+        except openai.APIError:
+            break  # the engine was killed under the request
+    return before, host.unit_property(unit, "MainPID")
+
+
+def host_model(host: CapyHost) -> str:
+    from tests.integration.capyhost import smollm2_path
+    return smollm2_path()
+
+
+def test_the_planned_prompt_cache_fills_and_the_engine_stays_within_its_limit(capyhost):
+    before, after = fill_the_prompt_cache(capyhost, "", prompts=10)
+    unit = "capyctl-smollm2.service"
+    argv = capyhost.unit_property(unit, "ExecStart")
+    # 320 MiB less the weights (93 MiB), the KV cache at -c 2048 (45 MiB) and the runtime (128 MiB).
+    planned = re.search(r"--cache-ram (\d+) ", argv)
+    assert planned and 32 <= int(planned.group(1)) <= 54, argv
+    journal = capyhost.sh("journalctl", "-u", unit, "--no-pager", "-o", "cat").stdout
+    # The cache reached its limit and gave up its oldest prompts (server_prompt_cache::alloc/update).
+    assert "making room for prompt cache entry" in journal or "cache size limit reached" in journal, journal[-3000:]
+    assert after == before and capyhost.unit_property(unit, "ActiveState") == "active"
+    assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "ready"
+
+
+def test_llama_servers_own_default_cache_outgrows_the_same_limit(capyhost):
+    """The control: what every launch did before the cache was planned (--cache-ram 8192, the
+    default) gets the same engine OOM-killed by the same prompts."""
+    before, after = fill_the_prompt_cache(capyhost, ", --cache-ram, '8192'", prompts=14)
+    assert after != before, "the engine with an 8 GiB prompt cache was never killed under MemoryMax=320M"
+    assert "oom" in capyhost.daemon_journal(400).lower()
