@@ -321,12 +321,29 @@ def park_lines(d: dict) -> list[str]:
     if record.get("wake_seconds") is not None:
         lines.append(f"          last wake {record['wake_seconds']:.2f}s, proof {proof.get('result', 'none')}"
                      + (f" ({proof['reason']})" if proof.get("reason") else ""))
+    cache_line = prompt_cache_line(record.get("prompt_cache") or {})
+    if cache_line:
+        lines.append(f"          prompt cache: {cache_line}")
     parsers = d.get("parsers")
     if parsers:
         for what, key in (("tool calls", "tool_call_parser"), ("reasoning", "reasoning_parser")):
             lines.append(f" Parsers: {what}: {parsers.get(key) or 'none'} ({parsers.get(key + '_source')}"
                          + (f", model_type {parsers['model_type']}" if parsers.get("model_type") else "") + ")")
     return lines
+
+
+def prompt_cache_line(cache: dict) -> str | None:
+    """What the latest park kept of the prompt cache, or its latest wake restored."""
+    state = cache.get("state")
+    if state == "saved":
+        return f"{cache.get('tokens', 0)} tokens saved at the park ({human_bytes(cache.get('bytes') or 0)})"
+    if state == "restored":
+        saved = cache.get("seconds_saved")
+        return (f"{cache.get('tokens', 0)} tokens restored in {cache.get('restore_seconds', 0):.3f}s"
+                + (f", {saved:.2f}s of prefill saved" if saved is not None else ""))
+    if state in ("refused", "dropped", "failed"):
+        return f"{state}: {cache.get('why')}"
+    return None
 
 
 def _action(verb: str):

@@ -139,4 +139,13 @@ def park_stats(record: dict[str, Any]) -> dict[str, float]:
     return {"park_wake_seconds": float(record.get("wake_seconds") or 0.0),
             "park_proof_ok": 1.0 if proof.get("result") in ("passed", "recorded") else 0.0,
             "park_proof_failures": float(record.get("proof_failures") or 0),
-            "park_retained_bytes": float(sum((record.get("retained") or {}).values()))}
+            "park_retained_bytes": float(sum((record.get("retained") or {}).values())),
+            **prompt_cache_stats(record)}
+
+
+def prompt_cache_stats(record: dict[str, Any]) -> dict[str, float]:
+    """The latest wake's prompt cache restore (controller/_prompt_cache.py) as metric values."""
+    cache = record.get("prompt_cache") or {}
+    restored = cache.get("state") == "restored"
+    return {"park_prompt_cache_restored_tokens": float(cache.get("tokens") or 0) if restored else 0.0,
+            "park_prompt_cache_seconds_saved": float(cache.get("seconds_saved") or 0.0) if restored else 0.0}

@@ -61,6 +61,11 @@ class _RouterCollector(Collector):
              "Wakes in a row whose proof failed."),
             ("capyctl_park_retained_bytes", "park_retained_bytes", GaugeMetricFamily,
              "Memory the latest in-place park was measured still holding (kept charged)."),
+            ("capyctl_park_prompt_cache_restored_tokens", "park_prompt_cache_restored_tokens", GaugeMetricFamily,
+             "Prompt tokens whose KV cache the latest wake restored from its park (0: none)."),
+            ("capyctl_park_prompt_cache_seconds_saved", "park_prompt_cache_seconds_saved", GaugeMetricFamily,
+             "Prefill seconds the latest wake's restored prompt cache saved, at the engine's own measured "
+             "prompt rate, less the restore's time."),
         ):
             metric = family(name, help_text, labels=["deployment"])
             for deployment in sorted(stats):

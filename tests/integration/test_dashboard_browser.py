@@ -115,6 +115,13 @@ def test_park_through_the_dashboard_changes_the_unit_and_the_page(capyhost, smol
         assert capyhost.armed_at_gate(unit), capyhost.unit_processes(unit)
         # Wake is offered now, Park no longer.
         wait.until(lambda d: button("wake").is_enabled() and not button("park").is_enabled())
+
+        # The wake: the page says how long it took and what it restored of the prompt cache
+        # (the park saved what the slots held: at least the proof's prompt).
+        wait.until(lambda d: button("wake").is_enabled())
+        wait.until(lambda d: button("wake").click() or True)
+        wait.until(lambda d: state_shown(d) == "ready")
+        wait.until(lambda d: "cached tokens restored" in (shown("wake") or ""))
     finally:
         if driver is not None:
             driver.quit()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import urllib.request
 
 import openai
 import pytest
@@ -68,6 +69,12 @@ def test_the_next_turn_after_a_wake_reuses_the_conversation(capyhost, smollm2):
     assert restored["seconds_saved"] is not None and restored["seconds_saved"] > 0, restored
     assert cached > 1000, f"the turn after the wake took only {cached} prompt tokens from the cache"
     assert saved_files(capyhost) == []  # restored: nothing stays on disk
+    # What a user sees: capyctl status, and the proxy's metrics.
+    text = capyhost.cli("status", "deployment", "smollm2").stdout
+    assert f"prompt cache: {restored['tokens']} tokens restored" in text, text
+    request = urllib.request.Request(capyhost.base_url + "/metrics", headers={"Authorization": f"Bearer {client.api_key}"})
+    metrics = urllib.request.urlopen(request, timeout=10).read().decode()
+    assert f'capyctl_park_prompt_cache_restored_tokens{{deployment="smollm2"}} {float(restored["tokens"])}' in metrics
 
     # Parked again and deleted: the files saved at that park go with the deployment.
     capyhost.cli("park", "deployment", "smollm2")

@@ -150,6 +150,20 @@ function fmtLatency(row) {
   return s < 1 ? `${Math.round(s * 1000)} ms` : `${s.toFixed(2)} s`;
 }
 
+function fmtWake(d) {
+  const record = d.park_record || {};
+  if (record.wake_seconds === null || record.wake_seconds === undefined) return "–";
+  const cache = record.prompt_cache || {};
+  let text = `${record.wake_seconds.toFixed(2)} s`;
+  if (cache.state === "restored") {
+    text += `; ${cache.tokens} cached tokens restored`;
+    if (cache.seconds_saved !== null && cache.seconds_saved !== undefined) text += `, ${cache.seconds_saved.toFixed(1)} s saved`;
+  } else if (cache.state === "refused" || cache.state === "failed") {
+    text += `; prompt cache ${cache.state}`;
+  }
+  return text;
+}
+
 function renderDeployments() {
   const body = $("deployments").tBodies[0];
   body.replaceChildren();
@@ -175,6 +189,7 @@ function renderDeployments() {
       el("td", { class: "unit" }, d.unit),
       el("td", { class: "rate" }, fmtRate(rates)),
       el("td", { class: "latency" }, fmtLatency(rates)),
+      el("td", { class: "wake" }, fmtWake(d)),
       el("td", { class: "in-flight" }, `${d.in_flight}${d.waiting ? ` (+${d.waiting} waiting)` : ""}`),
       el("td", { class: "actions" }, ...buttons, " ", logs)));
   }
