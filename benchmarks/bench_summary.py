@@ -35,6 +35,9 @@ GOAL_CONTENTION_FAILED = 0  # no failed request
 GOAL_CONTENTION_SHARE = 0.2  # each model at least a fifth of the answers
 GOAL_CONTENTION_ANSWERS = 0.5  # at least half the answers of the same clients on one resident model
 # (and p99 latency at most swap.wait_max plus one wake, both read from the run)
+# Issue 33's goals for kv_park.py: the next turn after a park, its prompt cache restored.
+GOAL_KV_VS_WARM = 1.3  # at most, against the same turn on the warm engine
+GOAL_KV_VS_NO_RESTORE = 3.0  # at least this many times faster than a wake without restore
 CONTENTION_COUNTS = ((2, "two"), (3, "three"))
 STREAM_COUNTS = (1, 8, 64)
 
@@ -212,6 +215,27 @@ def wake_row(wake: dict[str, Any] | None) -> Row:
                judge(r, GOAL_WAKE_VS_MANUAL, at_most=True), r)
 
 
+def kv_park_rows(kv: dict[str, Any] | None) -> list[Row]:
+    """Issue 33: the second turn of a long conversation after a park, with and without restore."""
+    warm_goal, restore_goal = f"<= {GOAL_KV_VS_WARM:.1f}x warm", f">= {GOAL_KV_VS_NO_RESTORE:.0f}x faster"
+    if not kv or not kv.get("median_s"):
+        why = (kv or {}).get("error") or "kv_park.py wrote no result"
+        return [Row("next turn after a park vs warm (kv_park)", why, warm_goal, "n/a"),
+                Row("next turn after a park: without restore vs with", why, restore_goal, "n/a")]
+    m = kv["median_s"]
+    rows = []
+    for when, label in (("after_park", "wake included"), ("after_wake", "after the wake")):
+        r = kv[f"{when}_vs_warm"]
+        rows.append(Row(f"next turn ({kv.get('prompt_tokens')} tokens) after a park vs warm, {label}",
+                        f"{_x(r)} ({_ms(m[f'kv_{when}'])} vs {_ms(m['warm'])})", warm_goal,
+                        judge(r, GOAL_KV_VS_WARM, at_most=True), r))
+        r = kv[f"no_restore_vs_restore_{when}"]
+        rows.append(Row(f"next turn after a park: without restore vs with, {label}",
+                        f"{_x(r)} ({_ms(m[f'nokv_{when}'])} vs {_ms(m[f'kv_{when}'])})", restore_goal,
+                        judge(r, GOAL_KV_VS_NO_RESTORE, at_most=False), r))
+    return rows
+
+
 def rss_rows(scale: dict[str, Any] | None) -> list[Row]:
     few_goal = f"<= {GOAL_IDLE_RSS / MiB:.0f} MiB"
     flat_goal = f"<= {GOAL_IDLE_RSS / MiB:.0f} MiB and <= {GOAL_RSS_GROWTH / MiB:.0f} MiB growth"
@@ -368,7 +392,8 @@ def evaluate(results: dict[str, Any]) -> list[Row]:
     """Every row of issue 14's table (then one hop's and LiteLLM's), from the benchmarks' JSON results by name."""
     pvn = results.get("proxy_vs_nginx")
     return [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale")),
-            *contention_rows(results.get("contention")), *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
+            *contention_rows(results.get("contention")), *kv_park_rows(results.get("kv_park")),
+            *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
 
 
 def one_line(text: str, limit: int = 110) -> str:

@@ -541,10 +541,16 @@ class DeploymentActor:
                     await self._launch(progress)
             await self._wait_healthy(progress, self.spec.timeouts.start)
             laps.lap("health")
-            if not woken_in_place and prompt_cache.pending_files(self.park_record):
+            restoring = not woken_in_place and bool(prompt_cache.pending_files(self.park_record))
+            if restoring:
+                # The proof goes first: any new task moves llama-server's idle slots into its
+                # host-RAM cache and empties them (--cache-idle-slots), so a proof after the
+                # requests would take the restored conversation out of the slot the next park saves.
+                await self._prove(progress, woken_from_park, time.monotonic() - started)
+                laps.lap("proof")
                 await self._restore_prompt_cache(progress)
                 laps.lap("restore prompt cache")
-            if woken_from_park and not woken_in_place:
+            elif woken_from_park and not woken_in_place:
                 # A wake that started the unit afresh is a clean start of the same files, as a cold
                 # start is: the requests it woke for go first, its proof follows them.
                 self._prove_after_requests(time.monotonic() - started)

@@ -76,6 +76,15 @@ def test_the_next_turn_after_a_wake_reuses_the_conversation(capyhost, smollm2):
     metrics = urllib.request.urlopen(request, timeout=10).read().decode()
     assert f'capyctl_park_prompt_cache_restored_tokens{{deployment="smollm2"}} {float(restored["tokens"])}' in metrics
 
+    # Parked again: the conversation is still what the slots hold (the wake's proof ran before
+    # the restore, so it did not move the conversation into llama-server's RAM cache), and the
+    # next wake restores it again.
+    capyhost.cli("park", "deployment", "smollm2")
+    again = prompt_cache(capyhost)
+    assert again["state"] == "saved" and again["tokens"] >= saved["tokens"], again
+    _, cached = turn(client, second)
+    assert cached > 1000, f"the turn after the second wake took only {cached} prompt tokens from the cache"
+
     # Parked again and deleted: the files saved at that park go with the deployment.
     capyhost.cli("park", "deployment", "smollm2")
     assert saved_files(capyhost)

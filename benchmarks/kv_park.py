@@ -1,0 +1,128 @@
+"""The next turn of a long conversation after a park: with the prompt cache restored, against the
+same turn on the warm engine and after a wake that restores nothing (issue 33).
+
+A sandboxed host (systemd as PID 1, the daemon as capyctl.service, tests/integration/capyhost.py)
+with two deployments of the bundled SmolLM2 on llama.cpp: ``kv`` keeps its prompt cache across a
+park (the default), ``nokv`` sets prompt_cache.keep_across_park: false, the baseline measured in
+the same run. Each run starts a new conversation of some 2,000 tokens (its first turn, not timed),
+then times the second turn's first token, streamed through CapyCTL with the official openai client:
+
+  warm           the second turn on the running ``kv`` engine;
+  after park     ``kv`` parked, the second turn sent at once: the wake is in the figure (what a
+                 client feels), restored cache and all; the same on ``nokv``;
+  after wake     parked again, woken by ``capyctl wake``, then the second turn: the cache alone.
+
+Goals (issue 33): after a park with restore, at most 1.3x the warm turn; at least 3x faster than
+the same wake without restore. Medians over the runs. Needs root (the sandbox).
+
+Run: .venv/bin/python benchmarks/kv_park.py [--runs 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import openai  # noqa: E402
+
+from tests.integration.capyhost import CapyHost, llama_server_path, smollm2_path  # noqa: E402
+
+GOAL_VS_WARM = 1.3
+GOAL_VS_NO_RESTORE = 3.0
+NOTES = 85  # with the nonce and the template, some 2,000 tokens of SmolLM2's tokenizer
+
+
+def conversation(nonce: str) -> list[dict]:
+    # The nonce first: no two conversations share more than the chat template's first tokens.
+    text = f"Conversation {nonce}. " + " ".join(
+        f"Note {i}: the capybara colony at pond {i % 7} moved {i * 3} metres north today." for i in range(NOTES))
+    return [{"role": "user", "content": text + "\nWhich pond is mentioned first?"}]
+
+
+def first_token(client: openai.OpenAI, model: str, messages: list[dict]) -> tuple[float, int]:
+    """Seconds from sending to the first content token, and the answer's prompt tokens."""
+    started = time.perf_counter()
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    ttft = None
+    prompt_tokens = 0
+    for chunk in stream:
+        if ttft is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
+            ttft = time.perf_counter() - started
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+    if ttft is None:
+        raise RuntimeError(f"{model}: no token in the answer")
+    return ttft, prompt_tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    binary, model = llama_server_path(), smollm2_path()
+    if binary is None or model is None:
+        sys.exit("kv_park.py needs llama-server (scripts/build-llama-server) and the SmolLM2 package")
+    host = CapyHost().boot()
+    figures: dict[str, list[float]] = {"warm": [], "kv_after_park": [], "nokv_after_park": [],
+                                       "kv_after_wake": [], "nokv_after_wake": []}
+    restored: list[dict] = []
+    prompt_tokens = 0
+    try:
+        host.start_daemon()
+        host.cli("engine", "add", binary, "--name", "llama")
+        for name, extra in (("kv", ""), ("nokv", "prompt_cache: {keep_across_park: false}\n")):
+            manifest = host.write_manifest(name, f"name: {name}\nengine: llama\nmodel: {{path: {model}}}\n{extra}")
+            host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+        client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=600)
+        for run in range(args.runs):
+            for name in ("kv", "nokv"):
+                first = conversation(f"{name}-{run}-{secrets.token_hex(4)}")
+                reply = client.chat.completions.create(model=name, messages=first, max_tokens=8, temperature=0)
+                second = first + [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                                  {"role": "user", "content": "And which one last?"}]
+                if name == "kv":
+                    ttft, prompt_tokens = first_token(client, name, second)
+                    figures["warm"].append(ttft)
+                host.cli("park", "deployment", name)
+                figures[f"{name}_after_park"].append(first_token(client, name, second)[0])
+                if name == "kv":
+                    restored.append(host.cli_json("status", "deployment", name)["park_record"].get("prompt_cache"))
+                host.cli("park", "deployment", name)
+                host.cli("wake", "deployment", name)
+                figures[f"{name}_after_wake"].append(first_token(client, name, second)[0])
+            print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms" for k, v in figures.items()), flush=True)
+    finally:
+        host.teardown()
+    median = {k: statistics.median(v) for k, v in figures.items()}
+    result = {
+        "runs": args.runs, "prompt_tokens": prompt_tokens, "median_s": median, "samples_s": figures,
+        "restored": restored,
+        "after_park_vs_warm": median["kv_after_park"] / median["warm"],
+        "no_restore_vs_restore_after_park": median["nokv_after_park"] / median["kv_after_park"],
+        "after_wake_vs_warm": median["kv_after_wake"] / median["warm"],
+        "no_restore_vs_restore_after_wake": median["nokv_after_wake"] / median["kv_after_wake"],
+        "goals": {"vs_warm_at_most": GOAL_VS_WARM, "no_restore_vs_restore_at_least": GOAL_VS_NO_RESTORE},
+    }
+    print(f"second turn of a {prompt_tokens}-token conversation, first token (median of {args.runs}):")
+    for key, value in median.items():
+        print(f"  {key:18} {value * 1000:8.0f} ms")
+    for key in ("after_park_vs_warm", "after_wake_vs_warm"):
+        print(f"  {key:34} {result[key]:.2f}x (goal <= {GOAL_VS_WARM}x)")
+    for key in ("no_restore_vs_restore_after_park", "no_restore_vs_restore_after_wake"):
+        print(f"  {key:34} {result[key]:.2f}x (goal >= {GOAL_VS_NO_RESTORE}x)")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
