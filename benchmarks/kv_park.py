@@ -10,7 +10,7 @@ then times the second turn's first token, streamed through CapyCTL with the offi
   warm           the second turn on the running ``kv`` engine;
   after park     ``kv`` parked, the second turn sent at once: the wake is in the figure (what a
                  client feels), restored cache and all; the same on ``nokv``;
-  after wake     parked again, woken by ``capyctl wake``, then the second turn: the cache alone.
+  after wake     parked again, woken by ``capyctl wake``, then a third turn: the cache alone.
 
 Goals (issue 33): after a park with restore, at most 1.3x the warm turn; at least 3x faster than
 the same wake without restore. Medians over the runs. Needs root (the sandbox).
@@ -46,21 +46,24 @@ def conversation(nonce: str) -> list[dict]:
     return [{"role": "user", "content": text + "\nWhich pond is mentioned first?"}]
 
 
-def first_token(client: openai.OpenAI, model: str, messages: list[dict]) -> tuple[float, int]:
-    """Seconds from sending to the first content token, and the answer's prompt tokens."""
+def first_token(client: openai.OpenAI, model: str, messages: list[dict]) -> tuple[float, int, str]:
+    """Seconds from sending to the first content token, the answer's prompt tokens, and its text."""
     started = time.perf_counter()
     stream = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0,
                                             stream=True, stream_options={"include_usage": True})
     ttft = None
     prompt_tokens = 0
+    text = ""
     for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
         if ttft is None and chunk.choices and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason):
             ttft = time.perf_counter() - started
         if chunk.usage is not None:
             prompt_tokens = chunk.usage.prompt_tokens
     if ttft is None:
         raise RuntimeError(f"{model}: no token in the answer")
-    return ttft, prompt_tokens
+    return ttft, prompt_tokens, text
 
 
 def main() -> int:
@@ -90,15 +93,21 @@ def main() -> int:
                 second = first + [{"role": "assistant", "content": reply.choices[0].message.content or ""},
                                   {"role": "user", "content": "And which one last?"}]
                 if name == "kv":
-                    ttft, prompt_tokens = first_token(client, name, second)
+                    # The warm figure: the next turn on the running engine, its first time (the
+                    # turn is sent again after the park below, which the engine cannot know).
+                    ttft, prompt_tokens, _ = first_token(client, name, second)
                     figures["warm"].append(ttft)
                 host.cli("park", "deployment", name)
-                figures[f"{name}_after_park"].append(first_token(client, name, second)[0])
+                ttft, _, answer = first_token(client, name, second)
+                figures[f"{name}_after_park"].append(ttft)
                 if name == "kv":
                     restored.append(host.cli_json("status", "deployment", name)["park_record"].get("prompt_cache"))
+                # A turn never sent before, after a park and an explicit wake: the cache alone.
+                third = second + [{"role": "assistant", "content": answer},
+                                  {"role": "user", "content": "And which one is in the middle?"}]
                 host.cli("park", "deployment", name)
                 host.cli("wake", "deployment", name)
-                figures[f"{name}_after_wake"].append(first_token(client, name, second)[0])
+                figures[f"{name}_after_wake"].append(first_token(client, name, third)[0])
             print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms" for k, v in figures.items()), flush=True)
     finally:
         host.teardown()
