@@ -218,6 +218,18 @@ def registered_capabilities(engine: EngineSpec) -> frozenset[str]:
     return frozenset() if listed == DEFAULT_REGISTERED_CAPABILITIES else listed
 
 
+def flag_value(args: list[str], *names: str) -> str | None:
+    """The value the user's engine_args give one of ``names`` (``--name value`` or ``--name=value``),
+    the last one winning."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg in names and i + 1 < len(args):
+            value = args[i + 1]
+        elif any(arg.startswith(name + "=") for name in names):
+            value = arg.split("=", 1)[1]
+    return value
+
+
 def has_flag(args: list[str], *names: str) -> bool:
     """Whether the user's engine_args already set one of these flags (``--flag`` or ``--flag=value``)."""
     return any(a in names or any(a.startswith(n + "=") for n in names if n.startswith("--")) for a in args)

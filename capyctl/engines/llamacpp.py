@@ -11,7 +11,7 @@ import aiohttp
 from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec, EngineSpec
 from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, RestoredPromptCache, SavedPromptCache,
-                    call, cuda_environment, has_flag, require_path, user_environment)
+                    call, cuda_environment, flag_value, has_flag, require_path, user_environment)
 from ._gguf import read_metadata, read_string_metadata
 from ._gpu_layers import context_size, gguf_layout
 
@@ -104,16 +104,6 @@ def gpu_layers(ctx: LaunchContext) -> str:
     return str(layout.layers_that_fit(n_ctx, ctx.gpu_memory_budget, cards))
 
 
-def _flag_value(args: list[str], *names: str) -> str | None:
-    value = None
-    for i, arg in enumerate(args):
-        if arg in names and i + 1 < len(args):
-            value = args[i + 1]
-        elif any(arg.startswith(n + "=") for n in names if n.startswith("--")):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def cache_ram_bytes(deployment: DeploymentSpec, model_path: str | None) -> int:
     """The host RAM llama-server's prompt cache may hold (passed as --cache-ram, in MiB).
 
@@ -121,7 +111,7 @@ def cache_ram_bytes(deployment: DeploymentSpec, model_path: str | None) -> int:
     CACHE_RAM_CONTEXTS contexts' KV cache. Either of the last two is cut to what resources.ram
     leaves beside the weights, the KV cache and the runtime, so the engine cannot outgrow its
     unit's MemoryMax through its cache."""
-    given = _flag_value(list(deployment.engine_args), *CACHE_RAM_FLAGS)
+    given = flag_value(list(deployment.engine_args), *CACHE_RAM_FLAGS)
     if given is not None:
         try:
             return max(0, int(given)) * MIB
@@ -173,7 +163,7 @@ class LlamaCppAdapter(EngineAdapter):
         return frozenset(caps)
 
     def check_task(self, deployment: DeploymentSpec) -> None:
-        if _flag_value(list(deployment.engine_args), *CACHE_RAM_FLAGS) == "-1":
+        if flag_value(list(deployment.engine_args), *CACHE_RAM_FLAGS) == "-1":
             raise CapyError(f"deployment {deployment.name!r} sets --cache-ram -1, a prompt cache without a limit, "
                             "which no memory plan can hold; give a size in MiB or set prompt_cache.ram",
                             code="prompt_cache_unbounded", status=400, detail={"field": "engine_args"})

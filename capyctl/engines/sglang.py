@@ -44,7 +44,7 @@ from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec, EngineSpec
 from ._parsers import ParserChoice, choose_parsers, parser_flags
 from ._base import (SECRET_FILE_KEY, EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call,
-                    cuda_environment, has_flag, in_place_allowed, registered_capabilities, require_gpus_for_tp,
+                    cuda_environment, flag_value, has_flag, in_place_allowed, registered_capabilities, require_gpus_for_tp,
                     require_path, user_environment)
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,8 @@ POOLING_CAPABILITIES = {
 # arg_groups/fields/model.py: "Whether to use a CausalLM as an embedding model"; embedding and
 # cross-encoder architectures turn it on by themselves (arg_groups/model_hook.py).
 EMBEDDING_FLAG = "--is-embedding"
+# HiCache, the host-RAM tier of SGLang's radix cache (arg_groups/fields/memory.py, 0.5.23).
+HICACHE_FLAGS = ("--enable-hierarchical-cache", "--enable-hicache")
 # /v1/audio/transcriptions picks an adapter by a substring of the model's architecture
 # (openai/transcription_adapters/base.py resolve_adapter; the keys its modules register), and
 # falls back to Whisper's for any other model.
@@ -140,14 +142,43 @@ class SglangAdapter(EngineAdapter):
             return None
         return choose_parsers(self.kind, deployment, model_path)
 
+    def check_task(self, deployment: DeploymentSpec) -> None:
+        self.check_hicache(deployment)
+
+    def check_hicache(self, deployment: DeploymentSpec) -> None:
+        """Without --hicache-size, HiCache sizes its host pool by --hicache-ratio (twice the GPU
+        pool by default) or a fraction of the host's free memory (arg_groups/hicache_hook.py,
+        mem_cache/pool_host/base.py): nothing a plan can count before the engine runs."""
+        args = list(deployment.engine_args)
+        if has_flag(args, *HICACHE_FLAGS) and not has_flag(args, "--hicache-size"):
+            raise CapyError(f"deployment {deployment.name!r} turns on SGLang's hierarchical cache without "
+                            "--hicache-size, so its host memory is sized by SGLang at start and no memory plan "
+                            "can hold it; add --hicache-size GB (per rank) to engine_args",
+                            code="prompt_cache_unbounded", status=400, detail={"field": "engine_args"})
+
     def park_tier_refusal(self, deployment: DeploymentSpec, tier: str) -> str | None:
         return None  # host_backed: --enable-weights-cpu-backup; deep: the memory saver alone
+
+    def prompt_cache_ram(self, deployment: DeploymentSpec, model_path: str | None) -> int:
+        # HiCache's host pool (--enable-hierarchical-cache / --enable-hicache): --hicache-size is
+        # "GB" (10^9 bytes) for each rank's pool (arg_groups/fields/memory.py; mem_cache/pool_host/
+        # base.py), SGLang 0.5.23. check_task refuses HiCache without it.
+        args = list(deployment.engine_args)
+        if not has_flag(args, *HICACHE_FLAGS):
+            return 0
+        try:
+            size = float(flag_value(args, "--hicache-size") or 0)
+        except ValueError:
+            return 0  # SGLang refuses the value itself
+        ranks = max(1, deployment.tensor_parallel // max(1, deployment.nodes))
+        return int(size * 10**9) * ranks
 
     def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
         from ._tiers import in_place_tier
         return model_bytes if in_place_tier(deployment) == "host_backed" else 0
 
     def build_launch(self, ctx: LaunchContext) -> LaunchPlan:
+        self.check_task(ctx.deployment)
         venv = require_path(ctx)
         # The total across nodes: SGLang runs tp_size // nnodes ranks per node
         # (entrypoints/engine.py _calculate_rank_ranges) and asserts divisibility (validation_hook.py).

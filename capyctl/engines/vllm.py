@@ -45,7 +45,8 @@ import aiohttp
 from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec, EngineSpec
 from ._parsers import ParserChoice, choose_parsers, parser_flags
-from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call, cuda_environment, has_flag,
+from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call, cuda_environment, flag_value,
+                    has_flag,
                     in_place_allowed, registered_capabilities, require_gpus_for_tp, require_path, user_environment)
 
 KEY_ENV_NAME = "VLLM_API_KEY"
@@ -123,15 +124,8 @@ def flags_task(args: list[str]) -> str | None:
     return None
 
 
-def flag_value(args: list[str], name: str) -> str | None:
-    """The value the user's engine_args give ``name`` (``--name value`` or ``--name=value``), the last one winning."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
+KV_OFFLOADING_SIZE = "--kv-offloading-size"
+GIB = 1 << 30
 
 
 def transcription_support(model_path: str) -> str | None:
@@ -175,6 +169,17 @@ class VllmAdapter(EngineAdapter):
         if deployment_task(deployment) != "generate":
             return None
         return choose_parsers(self.kind, deployment, model_path)
+
+    def prompt_cache_ram(self, deployment: DeploymentSpec, model_path: str | None) -> int:
+        # --kv-offloading-size: "in GiB", the total across tensor-parallel ranks, default None (off);
+        # with the native backend vLLM holds it itself as cpu_bytes_to_use, with lmcache a separate
+        # LMCache server does (config/cache.py, config/vllm.py _post_init_kv_transfer_config, 0.32.0).
+        size = flag_value(list(deployment.engine_args), KV_OFFLOADING_SIZE)
+        backend = flag_value(list(deployment.engine_args), "--kv-offloading-backend") or "native"
+        try:
+            return int(float(size) * GIB) if size is not None and backend == "native" else 0
+        except ValueError:
+            return 0  # vLLM refuses the value itself
 
     def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
         # Level 1 (host_backed) offloads the weights to host RAM; level 2 (deep) discards them

@@ -130,3 +130,23 @@ def test_cache_ram_is_two_contexts_cut_to_what_resources_ram_leaves(monkeypatch)
     with pytest.raises(CapyError) as refused:
         LlamaCppAdapter().check_task(spec(engine_args=["--cache-ram", "-1"]))
     assert refused.value.code == "prompt_cache_unbounded"
+
+
+def test_vllm_and_sglang_host_caches_given_in_engine_args_are_planned():
+    from capyctl.engines.sglang import SglangAdapter
+    from capyctl.engines.vllm import VllmAdapter
+    vllm = VllmAdapter()
+    assert vllm.prompt_cache_ram(spec(engine="vllm"), None) == 0
+    assert vllm.prompt_cache_ram(spec(engine="vllm", engine_args=["--kv-offloading-size", "4"]), None) == 4 << 30
+    assert vllm.prompt_cache_ram(spec(engine="vllm", engine_args=["--kv-offloading-size=0.5"]), None) == 512 * MIB
+    # LMCache keeps those bytes in its own server, not in vLLM's process.
+    assert vllm.prompt_cache_ram(spec(engine="vllm", engine_args=["--kv-offloading-size", "4",
+                                                                  "--kv-offloading-backend", "lmcache"]), None) == 0
+    sglang = SglangAdapter()
+    assert sglang.prompt_cache_ram(spec(engine="sglang", engine_args=["--hicache-size", "3"]), None) == 0  # HiCache off
+    hicache = spec(engine="sglang", tensor_parallel=2, resources={"gpus": 2},
+                   engine_args=["--enable-hierarchical-cache", "--hicache-size", "3"])
+    assert sglang.prompt_cache_ram(hicache, None) == 2 * 3 * 10**9  # a pool per rank, in GB
+    with pytest.raises(CapyError) as refused:
+        sglang.check_task(spec(engine="sglang", engine_args=["--enable-hicache"]))
+    assert refused.value.code == "prompt_cache_unbounded"
