@@ -218,13 +218,15 @@ def wake_row(wake: dict[str, Any] | None) -> Row:
 def kv_park_rows(kv: dict[str, Any] | None) -> list[Row]:
     """Issue 33: the second turn of a long conversation after a park, with and without restore."""
     warm_goal, restore_goal = f"<= {GOAL_KV_VS_WARM:.1f}x warm", f">= {GOAL_KV_VS_NO_RESTORE:.0f}x faster"
+    whens = (("after_park", "wake included"), ("after_wake", "after the wake"))
     if not kv or not kv.get("median_s"):
         why = (kv or {}).get("error") or "kv_park.py wrote no result"
-        return [Row("next turn after a park vs warm (kv_park)", why, warm_goal, "n/a"),
-                Row("next turn after a park: without restore vs with", why, restore_goal, "n/a")]
+        return [row for _, label in whens for row in (
+            Row(f"next turn after a park vs warm, {label}", why, warm_goal, "n/a"),
+            Row(f"next turn after a park: without restore vs with, {label}", why, restore_goal, "n/a"))]
     m = kv["median_s"]
     rows = []
-    for when, label in (("after_park", "wake included"), ("after_wake", "after the wake")):
+    for when, label in whens:
         r = kv[f"{when}_vs_warm"]
         rows.append(Row(f"next turn ({kv.get('prompt_tokens')} tokens) after a park vs warm, {label}",
                         f"{_x(r)} ({_ms(m[f'kv_{when}'])} vs {_ms(m['warm'])})", warm_goal,

@@ -58,8 +58,18 @@ def _contention(**scenarios) -> dict:
     return {"seconds": 40.0, "clients": 8, "quantum_s": 5.0, "wait_max_s": 30.0, "scenarios": found}
 
 
+def _kv_park(warm: float = 0.2, after_park: float = 0.25, no_restore: float = 9.0) -> dict:
+    """kv_park.py's result: medians of the next turn's first token, and its ratios."""
+    median = {"warm": warm, "kv_after_park": after_park, "nokv_after_park": no_restore,
+              "kv_after_wake": after_park, "nokv_after_wake": no_restore}
+    return {"prompt_tokens": 2000, "median_s": median,
+            "after_park_vs_warm": after_park / warm, "after_wake_vs_warm": after_park / warm,
+            "no_restore_vs_restore_after_park": no_restore / after_park,
+            "no_restore_vs_restore_after_wake": no_restore / after_park}
+
+
 def _results(**overrides) -> dict:
-    results = {"proxy_vs_nginx": _pvn(), "contention": _contention(),
+    results = {"proxy_vs_nginx": _pvn(), "contention": _contention(), "kv_park": _kv_park(),
                "wake_vs_manual": {"manual_s": [1.0, 1.1, 0.9], "parked_s": [1.05, 1.05, 1.05]},
                "daemon_scale": {"rss_few_bytes": 50 * MiB, "rss_after_bytes": 51 * MiB, "requests": 100_000,
                                 "concurrency": 32, "total_rps": 1000.0,
@@ -81,12 +91,26 @@ def test_every_row_of_the_issue_is_there_and_passes_within_its_goals():
                 "parked -> first token vs llama-server by hand", "daemon idle RSS after a few requests",
                 "daemon idle RSS after 100,000 requests (flat?)",
                 *(f"{n} models on room for one: {what}" for n in (2, 3) for what in (
-                    "failed requests", "smallest share of answers", "p99 latency", "answers vs one model"))]
+                    "failed requests", "smallest share of answers", "p99 latency", "answers vs one model")),
+                "next turn (2000 tokens) after a park vs warm, wake included",
+                "next turn after a park: without restore vs with, wake included",
+                "next turn (2000 tokens) after a park vs warm, after the wake",
+                "next turn after a park: without restore vs with, after the wake"]
     assert [m for m in rows if not m.startswith(("LiteLLM", "one hop")) and rows[m].status != "info"] == expected
     assert {r.status for m, r in rows.items() if m in expected} == {"PASS"}
     assert rows["added latency, median, 1-token chat"].ratio == pytest.approx(0.1e-3)
     assert rows["latency median, total vs nginx"].ratio == pytest.approx(10.1 / 10.05)
     assert rows["stream chunks/s, 64 concurrent, vs direct"].ratio == pytest.approx(0.995)
+
+
+def test_a_wake_that_costs_more_than_the_turn_or_a_cache_that_saves_little_misses():
+    rows = _by_measure(bs.kv_park_rows(_kv_park(warm=0.2, after_park=0.5, no_restore=1.0)))
+    assert rows["next turn (2000 tokens) after a park vs warm, wake included"].status == "MISS"
+    assert rows["next turn after a park: without restore vs with, wake included"].status == "MISS"
+    at_bounds = _by_measure(bs.kv_park_rows(_kv_park(warm=0.2, after_park=0.26, no_restore=0.78)))
+    assert {r.status for r in at_bounds.values()} == {"PASS"}
+    missing = bs.kv_park_rows(None)
+    assert [r.status for r in missing] == ["n/a"] * 4 and missing[0].value == "kv_park.py wrote no result"
 
 
 def test_the_floor_relay_is_named_beside_the_added_latency_when_it_was_measured():
@@ -135,7 +159,7 @@ def test_what_was_not_measured_is_n_a_with_the_reason():
     assert by["parked -> first token vs llama-server by hand"].status == "n/a"
     assert by["parked -> first token vs llama-server by hand"].value == "needs root"
     assert all(r.status == "n/a" for r in rows)
-    assert "0 PASS, 0 MISS, 18 not measured" in bs.render_table(rows)
+    assert "0 PASS, 0 MISS, 22 not measured" in bs.render_table(rows)
 
 
 def test_litellm_rows_say_where_capyctl_stands_or_why_not():
@@ -150,7 +174,7 @@ def test_litellm_rows_say_where_capyctl_stands_or_why_not():
 def test_the_table_prints_every_row_with_goal_and_verdict():
     text = bs.render_table(bs.evaluate(_results()))
     assert "<= 0.25 ms over direct" in text and ">= 0.99x direct" in text and "<= 1.10x" in text
-    assert text.splitlines()[-1] == "18 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
+    assert text.splitlines()[-1] == "22 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
 
 
 def test_scale_lists_every_deployment():
@@ -174,7 +198,7 @@ def test_main_writes_summary_and_chart(tmp_path, capsys):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     assert bs.main([str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["rows"]) == 22 and summary["rows"][0]["status"] == "PASS"
+    assert len(summary["rows"]) == 26 and summary["rows"][0]["status"] == "PASS"
     hop = next(r for r in summary["rows"] if r["measure"].startswith("one hop"))
     assert hop["value"] == "200 us vs nginx's 100 us (2.000x); proxy CPU 300 us/request"
     assert "| " not in capsys.readouterr().out.splitlines()[0]
