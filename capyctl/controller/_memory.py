@@ -27,6 +27,7 @@ from dataclasses import asdict, replace
 from typing import Any, Iterable
 
 from ..config import DaemonConfig
+from ..engines._base import flag_value
 from ..errors import CapyError
 from ..scheduler import (Candidate, Footprint, GpuCard, HostResources, Ledger, Plan, Request, gpu_domain,
                          ram_domain)
@@ -80,17 +81,6 @@ def _model_size(actor: PlacedDeployment) -> int:
     return 0
 
 
-def _flag_value(args: list[str], *names: str) -> str | None:
-    value = None
-    for i, arg in enumerate(args):
-        if arg in names and i + 1 < len(args):
-            value = args[i + 1]
-        for name in names:
-            if arg.startswith(name + "="):
-                value = arg.split("=", 1)[1]
-    return value
-
-
 def _hf_kv_bytes_per_token(model_dir: str) -> int | None:
     """K+V bytes per token over all layers, from a Hugging Face config.json (16-bit cache)."""
     try:
@@ -113,7 +103,7 @@ def _hf_kv_bytes_per_token(model_dir: str) -> int | None:
 
 def _hf_context(model_dir: str, args: list[str]) -> int:
     # vLLM --max-model-len, SGLang --context-length; else the model's own maximum.
-    given = _flag_value(args, "--max-model-len", "--context-length")
+    given = flag_value(args, "--max-model-len", "--context-length")
     if given:
         # vLLM reads "32k" as 32,000 and "32K" as 32,768 (human_readable_int, vllm/utils/argparse_utils.py).
         match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmM]?)", given.strip())
