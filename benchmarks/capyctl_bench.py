@@ -5,7 +5,10 @@
 Measures time to first token, decode tokens/s, prompt processing tokens/s by prompt length,
 concurrent streams (aggregate tokens/s, per-stream time to first token), wake latency of a
 parked deployment against a cold start (through CapyCTL's management API or its CLI), and
-/v1/systemone latency. Writes report.json and report.md; PNG charts when matplotlib imports.
+/v1/systemone latency and decision accuracy on a small labelled suite. With ``--task embed``
+it measures an embedding deployment instead: /v1/embeddings latency, inputs/s and prompt
+tokens/s by batch size and input length, and wake. Writes report.json and report.md; PNG
+charts when matplotlib imports.
 
 This file is standard library only and imports nothing from CapyCTL, so it can be copied and
 run anywhere: ``python3 capyctl_bench.py --base-url http://127.0.0.1:8000 --model NAME``.
@@ -32,7 +35,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-REPORT_VERSION = 1
+# Version 2 added, keeping every version-1 key:
+#   report["task"]: "generate" or "embed" (also in report["config"], with "embedding_batches").
+#   report["embeddings"] (task "embed" only): {"dimension": int, "batch_sizes": [int],
+#     "input_lengths": [int] (target tokens per input), "points": [{"batch_size": int,
+#     "target_tokens": int, "prompt_tokens_per_input": float | None (from usage.prompt_tokens),
+#     "latency_s": summary, "inputs_per_s": summary, "prompt_tokens_per_s": summary}]},
+#     one point per batch size and input length, batch sizes outermost; summary is summarize()'s.
+#   report["wake"]["measures"]: "first_token" (generate: the *_ttft_s keys are times to the first
+#     token) or "embedding" (embed: they are times to a whole one-input embeddings answer).
+#   report["systemone"], when supported, besides "supported", "latency_s" and "statuses":
+#     "accuracy": float | None (correct / questions), "correct": int, "questions": int (asked over
+#     all passes, unanswered ones count as wrong), "cases": int, "passes": int, "per_case":
+#     [{"name": str, "expected": {question id: answer}, "got": [{question id: answer | None}, one
+#     per pass], "correct": int, "asked": int}]; answers in /v1/systemone's own shape.
+REPORT_VERSION = 2
+TASKS = ("generate", "embed")
+DEFAULT_EMBEDDING_BATCHES = (1, 4, 16)
+# Each input length multiplies the embeddings section by every batch size; three keep it short.
+EMBEDDING_MAX_LENGTHS = 3
 DEFAULT_PROMPT_LENGTHS = (16, 32, 64, 128, 256, 512)
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
 # Words that most tokenizers keep as one token each (with their leading space), so a prompt of
@@ -307,10 +328,12 @@ class BenchConfig:
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     concurrency_tokens: int = 32
     wake_runs: int = 3
-    systemone_runs: int = 10
+    systemone_runs: int = 10  # at least this many requests: whole passes over SYSTEMONE_SUITE
     ignore_eos: bool = True
     deployment: str | None = None  # for park/stop; the model name when None
     skip: frozenset[str] = field(default_factory=frozenset)  # section names to leave out
+    task: str = "generate"  # "embed": an embedding deployment, measured through /v1/embeddings
+    embedding_batches: tuple[int, ...] = DEFAULT_EMBEDDING_BATCHES  # inputs per /v1/embeddings request
 
 
 def _require_ok(result: StreamResult, what: str) -> StreamResult:
@@ -376,76 +399,218 @@ def measure_concurrency(endpoint: Endpoint, config: BenchConfig) -> list[dict[st
     return points
 
 
-def _first_token_after(endpoint: Endpoint, config: BenchConfig, what: str) -> float:
+def post_embeddings(endpoint: Endpoint, inputs: list[str], what: str) -> tuple[dict[str, Any], float]:
+    """One POST /v1/embeddings of ``inputs``: the answer, checked to hold one vector per input, and seconds."""
+    try:
+        status, answer, took = post_json(endpoint, "/v1/embeddings", {"model": endpoint.model, "input": inputs})
+    except (OSError, http.client.HTTPException) as exc:
+        raise BenchError(f"{what} failed: {type(exc).__name__}: {exc}", code="request_failed") from None
+    if status != 200:
+        raise BenchError(f"{what} failed (HTTP {status}): {json.dumps(answer)[:500]}", code="request_failed")
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if (not isinstance(data, list) or len(data) != len(inputs)
+            or not all(isinstance(d, dict) and isinstance(d.get("embedding"), list) and d["embedding"]
+                       for d in data)):
+        raise BenchError(f"{what} did not answer one vector per input: {json.dumps(answer)[:300]}",
+                         code="bad_embeddings")
+    return answer, took
+
+
+def _usage_prompt_tokens(answer: dict[str, Any]) -> int | None:
+    usage = answer.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
+
+
+def measure_embeddings(endpoint: Endpoint, config: BenchConfig) -> dict[str, Any]:
+    """Latency, inputs/s and prompt tokens/s of /v1/embeddings by batch size and input length."""
+    lengths = list(config.prompt_lengths[:EMBEDDING_MAX_LENGTHS])
+    dimensions: set[int] = set()
+    points = []
+    for batch in config.embedding_batches:
+        for words in lengths:
+            seconds, input_rates, token_rates, per_input = [], [], [], []
+            for _ in range(config.runs):
+                # A nonce per input, so no prompt or embedding cache answers a repeated text.
+                inputs = [make_prompt(words, _nonce()) for _ in range(batch)]
+                answer, took = post_embeddings(endpoint, inputs, f"a batch of {batch} {words}-word inputs")
+                dimensions.update(len(d["embedding"]) for d in answer["data"])
+                seconds.append(took)
+                input_rates.append(batch / took if took > 0 else None)
+                tokens = _usage_prompt_tokens(answer)
+                if tokens is not None:
+                    per_input.append(tokens / batch)
+                    token_rates.append(tokens / took if took > 0 else None)
+            points.append({"batch_size": batch, "target_tokens": words,
+                           "prompt_tokens_per_input": statistics.median(per_input) if per_input else None,
+                           "latency_s": summarize(seconds), "inputs_per_s": summarize(input_rates),
+                           "prompt_tokens_per_s": summarize(token_rates)})
+    if len(dimensions) > 1:
+        raise BenchError(f"the vectors have different dimensions: {sorted(dimensions)}", code="bad_embeddings")
+    return {"dimension": dimensions.pop() if dimensions else None, "batch_sizes": list(config.embedding_batches),
+            "input_lengths": lengths, "points": points}
+
+
+def _first_answer_after(endpoint: Endpoint, config: BenchConfig, what: str) -> float:
+    """Seconds to the first token of a short chat, or for embed to a whole one-input embedding."""
+    if config.task == "embed":
+        return post_embeddings(endpoint, [make_prompt(16, _nonce())], what)[1]
     r = _require_ok(stream_chat(endpoint, make_prompt(16, _nonce()), 2, ignore_eos=config.ignore_eos), what)
     assert r.ttft is not None
     return r.ttft
 
 
 def measure_wake(endpoint: Endpoint, control: Control, config: BenchConfig) -> dict[str, Any]:
-    """Parked → first token against stopped → first token, alternating so drift hits both."""
+    """Parked → first answer against stopped → first answer, alternating so drift hits both."""
     deployment = config.deployment or endpoint.model
     warm, parked, cold = [], [], []
     for _ in range(config.wake_runs):
-        warm.append(_first_token_after(endpoint, config, "a warm request"))  # also makes sure it is up
+        warm.append(_first_answer_after(endpoint, config, "a warm request"))  # also makes sure it is up
         control.action("park", deployment)
         state = control.state(deployment)
         if state != "parked":
             raise BenchError(f"after park the deployment is {state!r}, not parked", code="park_failed")
-        parked.append(_first_token_after(endpoint, config, "a request to the parked deployment"))
+        parked.append(_first_answer_after(endpoint, config, "a request to the parked deployment"))
         control.action("stop", deployment)
-        cold.append(_first_token_after(endpoint, config, "a request to the stopped deployment"))
+        cold.append(_first_answer_after(endpoint, config, "a request to the stopped deployment"))
     warm_median = summarize(warm)["median"]
     parked_median, cold_median = summarize(parked)["median"], summarize(cold)["median"]
-    return {"deployment": deployment, "warm_ttft_s": summarize(warm), "parked_ttft_s": summarize(parked),
-            "cold_ttft_s": summarize(cold),
+    # The *_ttft_s names stay for version-1 readers; "measures" says what they time for this task.
+    return {"deployment": deployment, "measures": "embedding" if config.task == "embed" else "first_token",
+            "warm_ttft_s": summarize(warm), "parked_ttft_s": summarize(parked), "cold_ttft_s": summarize(cold),
             "wake_over_cold": parked_median / cold_median if parked_median and cold_median else None,
             "wake_over_warm": parked_median / warm_median if parked_median and warm_median else None}
 
 
-SYSTEMONE_BODY = {
-    "state": "The user wrote: 'My order arrived broken and I want my money back.'",
-    "questions": {
-        "refund": {"type": "noul", "instructions": "Does the user ask for a refund?"},
-        "mood": {"type": "choice", "instructions": "How does the user feel?",
-                 "criteria": {"angry": None, "happy": None, "neutral": None}},
-    },
-}
+# A labelled suite for /v1/systemone: states whose answers a person would not dispute, so a wrong
+# answer is the model's. Expected answers are in the route's own answer shape (capyctl/proxy/
+# _systemone.py, format_answer): noul {"type": "noul", "noul": P(yes)} (1.0 = yes, 0.0 = no),
+# choice {"type": "choice", "choice": label}, score {"type": "score", "score": level index}.
+SYSTEMONE_SUITE: tuple[dict[str, Any], ...] = (
+    {"name": "refund_request",
+     "body": {"state": "The user wrote: 'Please cancel my order and refund me.'",
+              "questions": {"refund": {"type": "noul", "instructions": "Does the user ask for a refund?"}}},
+     "expected": {"refund": {"type": "noul", "noul": 1.0}}},
+    {"name": "happy_customer",
+     "body": {"state": "The user wrote: 'Thank you! The package arrived on time and everything works perfectly.'",
+              "questions": {"refund": {"type": "noul", "instructions": "Does the user ask for a refund?"},
+                            "mood": {"type": "choice", "instructions": "How does the user feel?",
+                                     "criteria": {"angry": None, "happy": None, "sad": None}}}},
+     "expected": {"refund": {"type": "noul", "noul": 0.0}, "mood": {"type": "choice", "choice": "happy"}}},
+    {"name": "angry_customer",
+     "body": {"state": "The user wrote: 'This is the third time you sent me the wrong item. I am furious!'",
+              "questions": {"mood": {"type": "choice", "instructions": "How does the user feel?",
+                                     "criteria": {"angry": None, "happy": None, "sad": None}}}},
+     "expected": {"mood": {"type": "choice", "choice": "angry"}}},
+    {"name": "opening_hours",
+     "body": {"state": "The user wrote: 'What are your opening hours on Sunday?'",
+              "questions": {"question": {"type": "noul", "instructions": "Does the user ask a question?"},
+                            "topic": {"type": "choice", "instructions": "What is the message about?",
+                                      "criteria": {"opening hours": None, "billing": None, "shipping": None}}}},
+     "expected": {"question": {"type": "noul", "noul": 1.0},
+                  "topic": {"type": "choice", "choice": "opening hours"}}},
+    {"name": "language",
+     "body": {"state": "The user wrote: 'Bonjour, je voudrais changer mon adresse de livraison.'",
+              "questions": {"language": {"type": "choice", "instructions": "Which language is the message in?",
+                                         "criteria": {"English": None, "French": None, "German": None}}}},
+     "expected": {"language": {"type": "choice", "choice": "French"}}},
+    {"name": "arithmetic",
+     "body": {"state": "The student wrote: 2 + 2 = 5.",
+              "questions": {"correct": {"type": "noul", "instructions": "Is the student's sum correct?"}}},
+     "expected": {"correct": {"type": "noul", "noul": 0.0}}},
+    {"name": "weather",
+     "body": {"state": "The thermometer shows 38 degrees Celsius in the shade and the sun is burning.",
+              "questions": {"weather": {"type": "choice", "instructions": "What is the weather like?",
+                                        "criteria": {"hot": None, "mild": None, "cold": None}},
+                            "freezing": {"type": "noul", "instructions": "Is it freezing?"}}},
+     "expected": {"weather": {"type": "choice", "choice": "hot"}, "freezing": {"type": "noul", "noul": 0.0}}},
+    {"name": "star_rating",
+     "body": {"state": "The user rated the product 5 out of 5 stars.",
+              "questions": {"stars": {"type": "score", "instructions": "How many stars did the user give?",
+                                      "criteria": ["1 star", "2 stars", "3 stars", "4 stars", "5 stars"]}}},
+     "expected": {"stars": {"type": "score", "score": 4}}},
+)
+
+
+def systemone_answer_is_right(expected: dict[str, Any], got: Any) -> bool:
+    """Whether an answer of /v1/systemone picks what ``expected`` names.
+
+    noul: on the expected side of 0.5 (exactly 0.5 is no answer); choice: the same label;
+    score: the expected level is the nearest one to the answered (expected-value) score.
+    """
+    if not isinstance(got, dict) or got.get("type") != expected["type"]:
+        return False
+    kind = expected["type"]
+    value = got.get(kind)
+    if kind == "choice":
+        return bool(value == expected["choice"])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind == "noul":
+        return value > 0.5 if expected["noul"] >= 0.5 else value < 0.5
+    return abs(value - expected[kind]) < 0.5
 
 
 def measure_systemone(endpoint: Endpoint, config: BenchConfig) -> dict[str, Any]:
-    seconds, statuses = [], {}
-    for _ in range(config.systemone_runs):
-        status, answer, took = post_json(endpoint, "/v1/systemone", {"model": endpoint.model, **SYSTEMONE_BODY})
-        statuses[status] = statuses.get(status, 0) + 1
-        if status == 200:
-            seconds.append(took)
-        elif not seconds and status in (400, 404, 501):
-            # The endpoint does not serve it for this model: say so once, do not hammer it.
-            return {"supported": False, "status": status, "error": answer}
-    return {"supported": True, "latency_s": summarize(seconds), "statuses": statuses}
+    """Latency over every request, and accuracy of the answers to SYSTEMONE_SUITE.
+
+    The suite is asked in passes, as many as make at least ``systemone_runs`` requests.
+    """
+    passes = max(1, -(-config.systemone_runs // len(SYSTEMONE_SUITE)))
+    seconds: list[float] = []
+    statuses: dict[int, int] = {}
+    per_case: list[dict[str, Any]] = [
+        {"name": case["name"], "expected": case["expected"], "got": [], "correct": 0, "asked": 0}
+        for case in SYSTEMONE_SUITE]
+    for _ in range(passes):
+        for case, result in zip(SYSTEMONE_SUITE, per_case):
+            status, answer, took = post_json(endpoint, "/v1/systemone", {"model": endpoint.model, **case["body"]})
+            statuses[status] = statuses.get(status, 0) + 1
+            if status == 200:
+                seconds.append(took)
+            elif not seconds and status in (400, 404, 501):
+                # The endpoint does not serve it for this model: say so once, do not hammer it.
+                return {"supported": False, "status": status, "error": answer}
+            answers = answer.get("answers") if status == 200 and isinstance(answer, dict) else None
+            got = {qid: answers.get(qid) if isinstance(answers, dict) else None for qid in case["expected"]}
+            result["got"].append(got)
+            result["asked"] += len(got)
+            result["correct"] += sum(systemone_answer_is_right(case["expected"][qid], got[qid]) for qid in got)
+    correct, questions = sum(r["correct"] for r in per_case), sum(r["asked"] for r in per_case)
+    return {"supported": True, "latency_s": summarize(seconds), "statuses": statuses,
+            "accuracy": correct / questions if questions else None, "correct": correct, "questions": questions,
+            "cases": len(SYSTEMONE_SUITE), "passes": passes, "per_case": per_case}
 
 
-SECTIONS = ("latency", "prompt_sweep", "concurrency", "wake", "systemone")
+SECTIONS = ("latency", "prompt_sweep", "concurrency", "wake", "systemone", "embeddings")
+# What a task measures; wake, when control is given, runs for both.
+_TASK_SECTIONS = {"generate": ("latency", "prompt_sweep", "concurrency", "systemone"), "embed": ("embeddings",)}
 
 
 def run_benchmark(endpoint: Endpoint, config: BenchConfig, *, control: Control | None = None,
                   log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every section not skipped; wake needs ``control``. Returns the report as a dict."""
+    """Every section of ``config.task`` not skipped; wake needs ``control``. Returns the report as a dict."""
+    if config.task not in TASKS:
+        raise BenchError(f"the task {config.task!r} is not one of {', '.join(TASKS)}", code="invalid_task")
     report: dict[str, Any] = {
-        "version": REPORT_VERSION, "started_at": time.time(), "base_url": endpoint.base_url,
+        "version": REPORT_VERSION, "task": config.task, "started_at": time.time(), "base_url": endpoint.base_url,
         "model": endpoint.model, "config": {k: (sorted(v) if isinstance(v, frozenset) else v)
                                             for k, v in asdict(config).items()},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
     log("warming up")
-    _require_ok(stream_chat(endpoint, "Hello", 4, ignore_eos=config.ignore_eos), "the warm-up request")
-    steps: list[tuple[str, Callable[[], Any]]] = [
-        ("latency", lambda: measure_latency(endpoint, config)),
-        ("prompt_sweep", lambda: measure_prompt_sweep(endpoint, config)),
-        ("concurrency", lambda: measure_concurrency(endpoint, config)),
-        ("systemone", lambda: measure_systemone(endpoint, config)),
-    ]
+    if config.task == "embed":
+        post_embeddings(endpoint, ["Hello"], "the warm-up request")
+    else:
+        _require_ok(stream_chat(endpoint, "Hello", 4, ignore_eos=config.ignore_eos), "the warm-up request")
+    measures: dict[str, Callable[[], Any]] = {
+        "latency": lambda: measure_latency(endpoint, config),
+        "prompt_sweep": lambda: measure_prompt_sweep(endpoint, config),
+        "concurrency": lambda: measure_concurrency(endpoint, config),
+        "systemone": lambda: measure_systemone(endpoint, config),
+        "embeddings": lambda: measure_embeddings(endpoint, config),
+    }
+    steps = [(name, measures[name]) for name in _TASK_SECTIONS[config.task]]
     if control is not None:
         steps.append(("wake", lambda: measure_wake(endpoint, control, config)))
     for name, step in steps:
@@ -490,9 +655,23 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{_fmt(p['ttft_s']['median'], ' ms', 1000)} | {_fmt(p['ttft_s']['p95'], ' ms', 1000)} | "
                          f"{p['failed']} |")
         lines.append("")
+    if "embeddings" in report:
+        e = report["embeddings"]
+        lines += ["## Embeddings", "", f"Vector dimension: {_fmt(e['dimension'], digits=0)}.", "",
+                  "| batch | input tokens | latency median | latency p95 | inputs/s (median) | "
+                  "prompt tokens/s (median) |", "|---|---|---|---|---|---|"]
+        for p in e["points"]:
+            tokens = p["prompt_tokens_per_input"]
+            tokens = p["target_tokens"] if tokens is None else tokens  # no usage: the target length
+            lines.append(f"| {p['batch_size']} | {_fmt(tokens, digits=0)} | "
+                         f"{_fmt(p['latency_s']['median'], ' ms', 1000)} | {_fmt(p['latency_s']['p95'], ' ms', 1000)}"
+                         f" | {_fmt(p['inputs_per_s']['median'])} | {_fmt(p['prompt_tokens_per_s']['median'])} |")
+        lines.append("")
     if "wake" in report:
         w = report["wake"]
-        lines += ["## Wake against cold start", "", "| from | first token (median) | p95 |", "|---|---|---|",
+        # A version-1 report has no "measures"; it always timed the first token.
+        what = "embedding answer" if w.get("measures") == "embedding" else "first token"
+        lines += ["## Wake against cold start", "", f"| from | {what} (median) | p95 |", "|---|---|---|",
                   f"| ready | {_fmt(w['warm_ttft_s']['median'], ' ms', 1000)} | {_fmt(w['warm_ttft_s']['p95'], ' ms', 1000)} |",
                   f"| parked | {_fmt(w['parked_ttft_s']['median'], ' ms', 1000)} | "
                   f"{_fmt(w['parked_ttft_s']['p95'], ' ms', 1000)} |",
@@ -505,6 +684,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         if s.get("supported"):
             lines += [f"Latency median {_fmt(s['latency_s']['median'], ' ms', 1000)}, "
                       f"p95 {_fmt(s['latency_s']['p95'], ' ms', 1000)} ({s['latency_s']['n']} requests).", ""]
+            if "accuracy" in s:  # version 2
+                lines += [f"Accuracy {_fmt(s['accuracy'], '%', 100)}: {s['correct']} of {s['questions']} answers "
+                          f"right over {s['cases']} labelled cases ({s['passes']} pass(es)).", "",
+                          "| case | right | asked |", "|---|---|---|"]
+                lines += [f"| {c['name']} | {c['correct']} | {c['asked']} |" for c in s["per_case"]]
+                lines.append("")
         else:
             lines += [f"Not served for this model (HTTP {s.get('status')}).", ""]
     return "\n".join(lines)
@@ -536,13 +721,28 @@ def write_charts(report: dict[str, Any], out_dir: Path) -> list[Path]:
         written.append(out_dir / "concurrency.png")
         fig.savefig(written[-1], dpi=100, bbox_inches="tight")
         plt.close(fig)
+    if report.get("embeddings") and report["embeddings"]["points"]:
+        points = report["embeddings"]["points"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for words in report["embeddings"]["input_lengths"]:
+            line = [p for p in points if p["target_tokens"] == words]
+            ax.plot([p["batch_size"] for p in line], [p["inputs_per_s"]["median"] or 0 for p in line], marker="o",
+                    label=f"{words} tokens per input")
+        batches = report["embeddings"]["batch_sizes"]
+        ax.set(xscale="log", xlabel="inputs per request (batch size)", ylabel="inputs/s", title="Embeddings")
+        ax.set_xticks(batches, labels=[str(b) for b in batches])
+        ax.legend()
+        written.append(out_dir / "embeddings.png")
+        fig.savefig(written[-1], dpi=100, bbox_inches="tight")
+        plt.close(fig)
     if report.get("wake"):
         w = report["wake"]
         labels = ["ready", "parked", "stopped"]
         values = [(w[k]["median"] or 0) * 1000 for k in ("warm_ttft_s", "parked_ttft_s", "cold_ttft_s")]
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.bar(labels, values)
-        ax.set(ylabel="first token (ms)", title="Wake against cold start")
+        what = "embedding answer" if w.get("measures") == "embedding" else "first token"
+        ax.set(ylabel=f"{what} (ms)", title="Wake against cold start")
         written.append(out_dir / "wake.png")
         fig.savefig(written[-1], dpi=100, bbox_inches="tight")
         plt.close(fig)
@@ -588,6 +788,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--deployment", help="deployment to park and stop (default: the model)")
     parser.add_argument("--wake-runs", type=int, default=3)
     parser.add_argument("--systemone-runs", type=int, default=10)
+    parser.add_argument("--task", choices=TASKS, default="generate",
+                        help="generate: chat sections and /v1/systemone; embed: /v1/embeddings (default generate)")
+    parser.add_argument("--embedding-batches", type=_int_list, default=DEFAULT_EMBEDDING_BATCHES,
+                        help="inputs per /v1/embeddings request, for --task embed (default 1,4,16)")
     parser.add_argument("--skip", default="", help=f"comma-separated sections to leave out: {','.join(SECTIONS)}")
     parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (for strict servers)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
@@ -605,7 +809,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     config = BenchConfig(runs=args.runs, max_tokens=args.max_tokens, prompt_lengths=args.prompt_lengths,
                          concurrency=args.concurrency, concurrency_tokens=args.concurrency_tokens,
                          wake_runs=args.wake_runs, systemone_runs=args.systemone_runs,
-                         ignore_eos=not args.no_ignore_eos, deployment=args.deployment, skip=skip)
+                         ignore_eos=not args.no_ignore_eos, deployment=args.deployment, skip=skip,
+                         task=args.task, embedding_batches=args.embedding_batches)
     control = None
     if args.api_socket or args.capyctl:
         control = Control(api_socket=args.api_socket, cli=args.capyctl.split() if args.capyctl else None)
