@@ -170,6 +170,10 @@ class DeploymentActor:
         # without waking the model; every launch refines it with the model's resolved path.
         self.capabilities: frozenset[str] = self.spec_capabilities()
         self.served_model: str | None = None
+        # The engine's command line and the environment the adapter and the manifest gave it at
+        # the last launch (no secret: keys travel as credentials), for `capyctl recipe run`'s
+        # launch of the same engine without CapyCTL.
+        self.launch_command: dict | None = None
         self._upstream: tuple[tuple, DeploymentSpec, Upstream] | None = None  # see upstream()
         self._commands: asyncio.Queue[_Command] = asyncio.Queue()
         self._queued_other_than_wake = 0  # queued commands that change course (see redirected)
@@ -799,6 +803,7 @@ class DeploymentActor:
         self.socket_path = plan.socket_path
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=resolved.path)
         self.served_model = plan.served_model
+        self.launch_command = {"argv": list(plan.argv), "environment": {**plan.environment, **self.spec.env}}
         # The key and SGLang's config file become systemd credentials of the unit: no environment
         # file, property or argv holds them, and only the unit's own user can read them.
         devices = ctl.gpu_device_nodes(self.host, gpu_indices)

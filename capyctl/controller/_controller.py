@@ -942,6 +942,7 @@ class Controller:
         info["gpus"] = list(self.gpus_for(actor)) if actor.spec.nodes == 1 else None
         info["dev_controls"] = self.config.dev_controls(actor.host)
         info["cordoned_host"] = actor.host in self.cordoned
+        info["launch_command"] = actor.launch_command
         return info
 
     def inspect_host(self, name: str) -> dict:
@@ -959,10 +960,13 @@ class Controller:
         since = self.turns.waiting().get(name)
         info["waiting_for_room"] = None if since is None else {
             "seconds": round(time.monotonic() - since, 3), "ahead": self.turns.ahead_of(name)}
-        info["memory_current"] = None
+        info["memory_current"] = info["memory_peak"] = None
         if actor.state in RUNNING_STATES or actor.parked_in_place:
+            systemd = self.hosts.systemd(actor.host)
             try:
-                info["memory_current"] = await self.hosts.systemd(actor.host).memory_current(actor.unit)
+                info["memory_current"] = await systemd.memory_current(actor.unit)
+                # Read from the cgroup filesystem, which is this machine's: a remote unit's is not here.
+                info["memory_peak"] = None if actor.remote else await systemd.memory_peak(actor.unit)
             except Exception:
                 pass
         return info

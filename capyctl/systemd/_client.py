@@ -305,6 +305,19 @@ class SystemdClient:
                 return int(path.read_text().strip())
         return None
 
+    async def memory_peak(self, name: str) -> int | None:
+        """The most the unit's cgroup has used since it started, in bytes; None when the kernel does
+        not keep it (memory.peak came with Linux 5.19; systemd 252 has no MemoryPeak property)."""
+        state = await self.unit_state(name)
+        if state is None or not state.control_group:
+            return None
+        for candidate in (f"sys/fs/cgroup{state.control_group}/memory.peak",
+                          f"sys/fs/cgroup/unified{state.control_group}/memory.peak",
+                          f"sys/fs/cgroup/memory{state.control_group}/memory.max_usage_in_bytes"):
+            with contextlib.suppress(OSError, ValueError):
+                return int((self._fs_root / candidate).read_text().strip())
+        return None
+
     def cgroup_file(self, state: UnitState, controller: str, filename: str) -> Path:
         """Path (from here) of a cgroup v1 controller file of the unit."""
         return self._fs_root / f"sys/fs/cgroup/{controller}{state.control_group}" / filename
