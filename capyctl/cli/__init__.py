@@ -822,6 +822,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ..bench._cli import add_bench_parser
     add_bench_parser(sub)
+    from ..recipes._cli import add_recipe_parser
+    add_recipe_parser(sub, _Formatter)
     return parser
 
 

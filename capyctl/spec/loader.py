@@ -184,6 +184,12 @@ def load_yaml(text: str, source: str, *, max_bytes: int,
         raise error(source, [Problem("", None, f"YAML syntax error: {exc}")]) from None
 
 
+def validation_problems(exc: ValidationError, root: Any) -> list[Problem]:
+    """A pydantic error of a document read with :func:`load_yaml` as problems naming field and line,
+    for other documents checked like manifests (recipes)."""
+    return _problems(exc, root)
+
+
 def parse_manifest(text: str, source: str = "<manifest>") -> DeploymentSpec | EngineSpec:
     """Parse one manifest; ``kind: engine`` documents become EngineSpec, others DeploymentSpec."""
     root, data = load_yaml(text, source, max_bytes=MAX_MANIFEST_BYTES)
