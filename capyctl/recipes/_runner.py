@@ -436,6 +436,8 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
             endpoint = dataclasses.replace(endpoint, api_key=capyctl(
                 "create an API key", "key", "create", "--name", key_name, "--models", recipe.name).strip())
         report["timings"] = {"cold_ready_s": deploy(None, "deploy and wait until it serves (cold)")}
+        # The commit CapyCTL pinned a Hub model to at deploy (capyctl/sources): what was measured.
+        model["resolved_commit"] = (capyctl.quiet_json("status", "deployment", recipe.name) or {}).get("model_commit")
         with log.step("the first answer through CapyCTL", f"POST {options.base_url}/v1/"
                       + ("embeddings" if task == "embed" else "chat/completions")) as step:
             answer = first_answer(endpoint, task)
