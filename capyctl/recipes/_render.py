@@ -41,7 +41,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              "## Engine and model", "", "| | |", "|---|---|",
              f"| engine | {engine.get('kind')} from `{engine.get('package')}` (version {engine.get('version')}; "
              f"it reports `{engine.get('detected_version')}`) |",
-             f"| engine path | `{engine.get('path')}` |",
+             f"| engine path | `{engine.get('path')}`" + (f" (sha256 {engine['sha256'][:16]}...)"
+                                                          if engine.get("sha256") else "") + " |",
              f"| model | {model.get('label')} |", f"| pinned by | {model.get('pin')} |"]
     if model.get("sha256"):
         lines.append(f"| file checked | `{model.get('file')}`, {_mib(model.get('size_bytes'))}, sha256 matches |")

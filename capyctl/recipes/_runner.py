@@ -411,6 +411,9 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
                              code="engine_kind_mismatch")
     report["engine"] = {"kind": recipe.engine.kind, "package": recipe.engine.package, "version": recipe.engine.version,
                         "detected_version": engine.get("version"), "path": engine_path,
+                        # The build itself, where the engine is one file (llama-server): what a
+                        # version string cannot tell apart (a source build says only 0.6.0-dev).
+                        "sha256": sha256_file(Path(engine_path), log.say) if Path(engine_path).is_file() else None,
                         "install": recipe.engine.install}
 
     out = options.out
