@@ -68,8 +68,6 @@ def machine_facts(proc: Path = Path("/proc")) -> dict[str, Any]:
 
 def hardware_shortfall(needs: Any, facts: dict[str, Any]) -> str | None:
     """Why this machine cannot run a recipe whose hardware is ``needs`` (a recipe's Hardware); None if it can."""
-    if needs.ram and facts.get("ram_bytes") and facts["ram_bytes"] < needs.ram:
-        return f"it needs {needs.ram >> 20} MiB of RAM and this machine has {facts['ram_bytes'] >> 20} MiB"
     if needs.gpus:
         gpus = [g for g in facts.get("gpus", [])
                 if (not needs.gpu_model or needs.gpu_model.lower() in g["name"].lower())
@@ -79,4 +77,7 @@ def hardware_shortfall(needs: Any, facts: dict[str, Any]) -> str | None:
                 f" with {needs.gpu_memory >> 30} GiB each" if needs.gpu_memory else "")
             have = ", ".join(g["name"] for g in facts.get("gpus", [])) or facts.get("gpu_unknown") or "no GPU"
             return f"it needs {want}; this machine has: {have}"
+    # RAM after GPUs: a GPU recipe on a machine without one should say so, not that RAM is short.
+    if needs.ram and facts.get("ram_bytes") and facts["ram_bytes"] < needs.ram:
+        return f"it needs {needs.ram >> 20} MiB of RAM and this machine has {facts['ram_bytes'] >> 20} MiB"
     return None
