@@ -46,9 +46,9 @@ def points(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
         for metric in ("cgroup_current_bytes", "cgroup_peak_bytes", "process_tree_rss_peak_bytes"):
             yield from point("memory", f"{when}_{metric.removesuffix('_bytes')}", facts.get(metric), "bytes")
         for domain in facts.get("domains") or []:
-            kind = str(domain["id"]).split(":")[0]
-            yield from point("memory", f"{when}_ledger_reserved_{kind}", domain.get("reserved_bytes"), "bytes")
-            yield from point("memory", f"{when}_held_{kind}", domain.get("held_bytes"), "bytes")
+            name = _domain_name(str(domain["id"]))
+            yield from point("memory", f"{when}_ledger_reserved_{name}", domain.get("reserved_bytes"), "bytes")
+            yield from point("memory", f"{when}_held_{name}", domain.get("held_bytes"), "bytes")
     for tier in report.get("park_wake") or []:
         for metric in ("park_s", "wake_s", "first_answer_after_wake_s", "first_answer_waking_s"):
             yield from point("park_wake", metric.removesuffix("_s"), tier.get(metric), "s", tier=tier["tier"])
@@ -59,7 +59,9 @@ def points(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from point("latency", "ttft", lat.get("ttft_s"), "s")
         yield from point("latency", "decode_tokens_per_s", lat.get("decode_tokens_per_s"), "tokens/s")
     for p in bench.get("prompt_sweep") or []:
-        tokens = p.get("prompt_tokens") or p.get("target_tokens")
+        # The length asked for: the engine's own count of it varies by a token or two from run to
+        # run (each prompt is new), and a point must line up with the same point of another run.
+        tokens = p.get("target_tokens")
         yield from point("prompt_sweep", "ttft", p.get("ttft_s"), "s", prompt_tokens=tokens)
         yield from point("prompt_sweep", "prompt_tokens_per_s", p.get("prompt_tokens_per_s"), "tokens/s",
                          prompt_tokens=tokens)
@@ -84,6 +86,14 @@ def points(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from point("embeddings", "latency", p.get("latency_s"), "s", **at)
         yield from point("embeddings", "inputs_per_s", p.get("inputs_per_s"), "inputs/s", **at)
         yield from point("embeddings", "prompt_tokens_per_s", p.get("prompt_tokens_per_s"), "tokens/s", **at)
+
+
+def _domain_name(domain_id: str) -> str:
+    """A memory domain without its host ("ram", "gpu0"): ids are "ram:<host>" and "gpu:<host>:<index>",
+    and the host's name would keep two machines' points from lining up."""
+    kind, _, rest = domain_id.partition(":")
+    index = rest.rpartition(":")[2] if kind == "gpu" else ""
+    return kind + index
 
 
 def rows(report: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -83,7 +83,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{_ms(_median(t['first_answer_after_wake_s']))} | "
                          f"{_ms(_median(t['first_answer_waking_s']))} | "
                          f"{_mib(_median(t['memory_parked_bytes']))} |")
-        lines += ["", f"Medians of {report['park_wake'][0]['runs']} runs each.", ""]
+        runs = report["park_wake"][0]["runs"]
+        lines += ["", f"Medians of {runs} runs each." if runs > 1 else "One run each.", ""]
     if report.get("bench"):
         bench = render_bench(report["bench"]).splitlines()
         lines += ["## Benchmark (capyctl bench)", ""] + ["#" + line if line.startswith("## ") else line

@@ -255,7 +255,8 @@ def _drop_flag(argv: list[str], flag: str) -> list[str]:
 def direct_argv(argv: list[str], port: int, scratch: Path) -> list[str]:
     """The unit's command line for a launch outside CapyCTL: on a loopback TCP port, no key file,
     its own scratch directory for what the unit kept in its private cache directory."""
-    out = list(argv)
+    # "--flag=value" as two words, so each flag below is found whichever way it was written.
+    out = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--") and "=" in arg else [arg])]
     out = _drop_flag(out, "--uds")  # vLLM's unix socket (vllm/entrypoints/openai/cli_args.py)
     out = _drop_flag(out, "--api-key-file")  # llama-server's key file lives in the unit's credentials
     out = _set_flag(out, "--host", "127.0.0.1")  # llama-server binds a unix socket for a --host ending in .sock

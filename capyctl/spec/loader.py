@@ -134,9 +134,9 @@ def _friendly(err: dict) -> str:
     return msg
 
 
-def _problems(exc: ValidationError, root: yaml.Node | None) -> list[Problem]:
+def _problems(exc: ValidationError, root: yaml.Node | None, *, model_union: bool = True) -> list[Problem]:
     problems: list[Problem] = []
-    model_errors = [e for e in exc.errors() if e["loc"] and e["loc"][0] == "model"]
+    model_errors = [e for e in exc.errors() if model_union and e["loc"] and e["loc"][0] == "model"]
     # `model` is a union: pydantic reports each member's failure. Keep the member the user meant.
     mapping = _yaml().MappingNode if root is not None else ()  # () matches nothing
     if len(model_errors) > 1 and isinstance(root, mapping):
@@ -186,8 +186,9 @@ def load_yaml(text: str, source: str, *, max_bytes: int,
 
 def validation_problems(exc: ValidationError, root: Any) -> list[Problem]:
     """A pydantic error of a document read with :func:`load_yaml` as problems naming field and line,
-    for other documents checked like manifests (recipes)."""
-    return _problems(exc, root)
+    for other documents checked like manifests (recipes). Their ``model`` is not the manifest's
+    union of a Hub and a path model, which _problems otherwise picks a member of."""
+    return _problems(exc, root, model_union=False)
 
 
 def parse_manifest(text: str, source: str = "<manifest>") -> DeploymentSpec | EngineSpec:

@@ -196,9 +196,6 @@ def test_load_recipe_names_a_missing_file(tmp_path: Path) -> None:
     assert info.value.problems[0].message == "no such file" and str(tmp_path / "none.yaml") in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: capyctl/spec/loader.py _problems treats `model` as the manifest's "
-                   "HubModel|PathModel union; for a recipe's ModelSource with 2+ errors it drops them all "
-                   "(path given: no problem at all) or replaces them with the manifest's hf/path message")
 @pytest.mark.parametrize("model", [
     f"  path: /models/m.gguf\n  sha256: {'A' * 64}\n  bogus: 1\n",
     f"  sha256: {'A' * 64}\n  bogus: 1\n",
@@ -478,8 +475,6 @@ def test_append_rows_refuses_a_table_with_other_columns(tmp_path: Path) -> None:
     assert table.read_text() == "a,b,c\n1,2,3\n"
 
 
-@pytest.mark.xfail(strict=True, reason="bug: _points.py memory points key a domain by its kind only "
-                   "(str(id).split(':')[0]), so gpu:h:0 and gpu:h:1 give the same point twice; compare keeps one")
 def test_each_memory_domain_is_its_own_point() -> None:
     report = _fixture()
     report["memory"]["ready"]["domains"] = [
@@ -561,8 +556,6 @@ def test_compare_of_one_run_with_itself_says_it_is_noise(tmp_path: Path) -> None
         "two runs of the same recipe, engine and machine (run-to-run noise)"]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: _points.py keys prompt_sweep points by the measured median "
-                   "prompt_tokens (a float that differs run to run), so compare of two runs drops the sweep")
 def test_compare_lines_up_the_prompt_sweep_of_two_runs(tmp_path: Path) -> None:
     base = _fixture()
     other = copy.deepcopy(base)
