@@ -64,6 +64,22 @@ def test_the_mcp_server_reaches_capyctl_only_over_the_management_api():
                 assert not any(node.module.startswith(f"capyctl.{p}") for p in daemon_parts), path.name
 
 
+def test_the_recipe_runner_reaches_capyctl_only_as_a_user_does():
+    """capyctl recipe drives the capyctl command and the OpenAI endpoint: it reads manifests
+    (spec) and measures with capyctl bench, and imports none of the daemon's parts."""
+    daemon_parts = {"controller", "api", "proxy", "systemd", "scheduler", "store", "engines", "daemon", "hosts",
+                    "sources", "mcp", "cli"}
+    imported = set()
+    for path in (PACKAGE.parent / "recipes").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
+                imported.add(node.module.split(".")[0])
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                assert not node.module.startswith("capyctl."), f"{path.name} imports {node.module}"
+    assert imported and not imported & daemon_parts, f"capyctl/recipes imports {sorted(imported & daemon_parts)}"
+    assert imported <= {"spec", "bench"}, imported
+
+
 PROXY = PACKAGE.parent / "proxy"
 
 
