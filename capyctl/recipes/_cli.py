@@ -11,7 +11,7 @@ from typing import Any
 
 from ..spec import ManifestError
 from ._compare import compare, load_report, render_markdown as render_comparison, write_comparison
-from ._points import append_rows
+from ._points import append_rows, check_table
 from ._recipe import load_recipe
 from ._render import write_report
 from ._runner import RunOptions, run_recipe
@@ -72,7 +72,8 @@ def add_recipe_parser(subparsers: Any, formatter: type[argparse.HelpFormatter]) 
                    help="CapyCTL's OpenAI endpoint (default $CAPYCTL_BASE_URL or http://127.0.0.1:8000)")
     p.add_argument("--api-key", default=os.environ.get("CAPYCTL_API_KEY"),
                    help="an API key (default $CAPYCTL_API_KEY; else one is made for the run and revoked)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one step or request may take")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one capyctl command or request may take "
+                   "(a find command that builds the engine gets 4 hours, a prepare command 1 hour)")
     p.add_argument("--json", action="store_true", help="print the report paths and figures as JSON")
     p.set_defaults(func=cmd_run)
 
@@ -126,6 +127,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                          quick=args.quick, engine_path=args.engine, base_url=args.base_url, api_key=args.api_key,
                          api_socket=getattr(args, "api_socket", None), direct=args.direct, keep=args.keep,
                          timeout=args.timeout)
+    if results is not None:
+        try:
+            check_table(results)  # before an hour of measuring, not after
+        except ValueError as exc:
+            print(f"capyctl recipe: {exc}", file=sys.stderr)
+            return EXIT_INVALID
     log = StepLog()
     try:
         reports = run_recipe(recipe, recipe_file, options, log)

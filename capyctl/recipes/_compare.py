@@ -48,7 +48,8 @@ def _differences(reports: list[dict[str, Any]]) -> list[str]:
     if varies(lambda r: r["via"]):
         said.append("CapyCTL against the engine launched directly with the same command line (the unit's "
                     "own argv on a loopback port, no systemd unit, no proxy, no API key); CapyCTL's figures "
-                    "include its proxy hop and its admission")
+                    "include its proxy hop and its admission. Memory is not compared: a unit's is its cgroup, "
+                    "a direct launch's its processes' resident memory")
     if varies(lambda r: (r.get("engine") or {}).get("kind")):
         said.append("different engines serving the same model" if not varies(lambda r: (r.get("model") or {}).get("pin"))
                     else "different engines and models")
@@ -61,7 +62,8 @@ def _differences(reports: list[dict[str, Any]]) -> list[str]:
         said.append("DIFFERENT MACHINES: the ratios mix the machines' speed with what is compared")
     if varies(lambda r: r.get("quick")):
         said.append("quick and full runs mixed: the quick ones have fewer, shorter runs")
-    if varies(lambda r: (r.get("bench") or {}).get("config")):
+    # The direct launch leaves out what needs CapyCTL (wake, /v1/systemone): not a settings change.
+    if varies(lambda r: {k: v for k, v in ((r.get("bench") or {}).get("config") or {}).items() if k != "skip"}):
         said.append("different benchmark settings (each report's config says which)")
     return said or ["two runs of the same recipe, engine and machine (run-to-run noise)"]
 
@@ -115,7 +117,7 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines += ["", "## Method", "", "What differs between the reports:", ""]
     lines += [f"- {m}" for m in result["method"]]
     lines += ["- every figure comes from the reports' own runs of capyctl bench with their settings; "
-              "medians of their repetitions unless the row says p95; a ratio above 1 is better where the "
+              "medians of their repetitions (the p95 rows are in compare.json); a ratio above 1 is better where the "
               "unit is a rate or an accuracy, below 1 where it is a time or memory.", ""]
     head = "| point | " + " | ".join(f"{i + 1}" for i in range(len(reports))) + " | " + \
         " | ".join(f"{i + 2}/1" for i in range(len(reports) - 1)) + " |"

