@@ -215,7 +215,10 @@ def park_and_wake(capyctl: _Capyctl, endpoint: Endpoint, recipe: Recipe, task: s
             capyctl(f"park ({tier}, {i + 1}/{runs})", "park", "deployment", recipe.name)
             park_s.append(time.perf_counter() - t0)
             parked = capyctl.quiet_json("status", "deployment", recipe.name) or {}
-            parked_memory.append(parked.get("memory_current"))  # None when unreadable, never a false 0
+            held = parked.get("memory_current")
+            if held is None and parked.get("state") == "parked" and not parked.get("parked_in_place"):
+                held = 0  # parked by stopping: the unit and its cgroup are gone
+            parked_memory.append(held)  # None when unreadable, never a false 0
             records.append(parked.get("park_record") or {})
             t0 = time.perf_counter()
             capyctl(f"wake ({tier}, {i + 1}/{runs})", "wake", "deployment", recipe.name)
