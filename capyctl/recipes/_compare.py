@@ -158,6 +158,8 @@ def write_chart(result: dict[str, Any], out: Path) -> list[Path]:
         ax.barh([j + i * width for j in range(len(rows))], [r["ratios"][i] for r in rows], width,
                 label=f"{result['reports'][i + 1]['label']} / baseline")
     ax.axvline(1.0, color="black", linewidth=0.8)
+    if max(max(r["ratios"]) for r in rows) / max(min(min(r["ratios"]) for r in rows), 1e-9) > 10:
+        ax.set_xscale("log")  # ratios of two engines span decades; a linear axis hides the small ones
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set(xlabel=f"ratio to {result['baseline']}", title="Recipe comparison")
