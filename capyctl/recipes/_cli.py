@@ -148,6 +148,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         written += write_report(report, folder)
         if results is not None:
             rows += append_rows(report, results)
+    if not any(str(p).endswith(".png") for p in written):
+        log.say("no charts: matplotlib is not installed (pip install 'capyctl[charts]')")
     log.say(f"wrote {', '.join(str(p) for p in written)}"
             + (f"; {rows} points appended to {results}" if results is not None else ""))
     if args.json:
