@@ -257,7 +257,7 @@ class SystemdClient:
         try:
             unit, service = await self._properties(path)
         except SystemdError as exc:
-            if exc.code == "unit_not_found" or "UnknownObject" in str(exc.detail.get("dbus_error")):
+            if exc.code == "unit_not_found":
                 return None  # collected between GetUnit and GetAll
             raise
         if unit.get("LoadState") == "not-found":
@@ -273,7 +273,7 @@ class SystemdClient:
             path = await self.manager.get_unit_by_pid(pid)
             name = await Unit(self._bus, path).get("Id")
         except SystemdError as exc:
-            if exc.code == "unit_not_found" or "UnknownObject" in str(exc.detail.get("dbus_error")):
+            if exc.code == "unit_not_found":
                 return None
             raise
         return str(name) if name else None

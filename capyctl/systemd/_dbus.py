@@ -28,6 +28,10 @@ _ERROR_CODES = {
     # GetUnitByPID of a process outside every unit, or gone (src/core/dbus-manager.c, BUS_ERROR_NO_UNIT_FOR_PID).
     "org.freedesktop.systemd1.NoUnitForPID": "unit_not_found",
     "org.freedesktop.systemd1.UnitExists": "unit_exists",
+    # A unit's object path that systemd no longer exports: the unit was collected between our
+    # finding its path and calling it (sd-bus answers an unknown path so; the Manager's own path
+    # always exists, so from these interfaces it only ever means a unit gone).
+    "org.freedesktop.DBus.Error.UnknownObject": "unit_not_found",
     "org.freedesktop.DBus.Error.AccessDenied": "access_denied",
     "org.freedesktop.DBus.Error.ServiceUnknown": "dbus_unavailable",
     "org.freedesktop.DBus.Error.NoReply": "dbus_unavailable",
