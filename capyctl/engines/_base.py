@@ -71,14 +71,6 @@ class LaunchContext:
     prompt_cache_dir: str | None = None
 
     @property
-    def park_tier(self) -> str:
-        """The tier this launch parks at (restart, host_backed, deep): SGLang's launch flags follow it."""
-        from ._tiers import resolve_park_tier
-        from . import adapter_for
-        return resolve_park_tier(adapter_for(self.engine.type, self.engine), self.deployment,
-                                 unified_memory=self.unified_memory)
-
-    @property
     def accelerated(self) -> bool:
         """Whether this launch has GPUs. vLLM's sleep mode exists only on CUDA, ROCm and XPU."""
         return bool(self.gpu_indices)

@@ -16,14 +16,20 @@ tried in a ladder at park time.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..errors import CapyError
 from ..spec import DeploymentSpec
 from ..spec.models import PARK_LEVEL_TIERS
 
-if TYPE_CHECKING:
-    from ._base import EngineAdapter
+
+class TierRefuser(Protocol):
+    """What a tier's resolution asks of an engine adapter (EngineAdapter has it). A protocol rather
+    than the adapter class: _base.py's adapters resolve their tier here, and this module imports
+    nothing of theirs."""
+
+    def park_tier_refusal(self, deployment: DeploymentSpec, tier: str) -> str | None: ...
+
 
 RESTART, HOST_BACKED, DEEP = "restart", "host_backed", "deep"
 # The vLLM sleep level of each in-place tier; the adapters' park and wake take it as ``level``.
@@ -33,7 +39,7 @@ UNIFIED_MEMORY_REFUSAL = ("its GPU and host memory are one pool, so weights kept
                           "use park_tier: deep or restart")
 
 
-def tier_refusal(adapter: "EngineAdapter", deployment: DeploymentSpec, tier: str, *,
+def tier_refusal(adapter: TierRefuser, deployment: DeploymentSpec, tier: str, *,
                  unified_memory: bool) -> str | None:
     """Why ``tier`` cannot be delivered for ``deployment`` on a host (None: it can)."""
     if tier == RESTART:
@@ -43,7 +49,7 @@ def tier_refusal(adapter: "EngineAdapter", deployment: DeploymentSpec, tier: str
     return adapter.park_tier_refusal(deployment, tier)
 
 
-def resolve_park_tier(adapter: "EngineAdapter", deployment: DeploymentSpec, *,
+def resolve_park_tier(adapter: TierRefuser, deployment: DeploymentSpec, *,
                       unified_memory: bool = False) -> str:
     """The tier a deployment parks at: the one it declares, else the engine's best that the host
     can deliver (``park_level``, the older spelling, first where it can), else ``restart``."""
@@ -67,7 +73,7 @@ def in_place_tier(deployment: DeploymentSpec) -> str:
     return PARK_LEVEL_TIERS.get(deployment.park_level or 1, HOST_BACKED)
 
 
-def check_park_tier(adapter: "EngineAdapter", deployment: DeploymentSpec, *, host: str,
+def check_park_tier(adapter: TierRefuser, deployment: DeploymentSpec, *, host: str,
                     unified_memory: bool) -> None:
     """Refuse (``park_tier_unsupported``) a declared ``park_tier`` the engine or host cannot deliver."""
     tier = deployment.park_tier

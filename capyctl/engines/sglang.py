@@ -43,6 +43,7 @@ import aiohttp
 from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec, EngineSpec
 from ._parsers import ParserChoice, choose_parsers, parser_flags
+from ._tiers import HOST_BACKED, resolve_park_tier
 from ._base import (SECRET_FILE_KEY, EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call,
                     cuda_environment, flag_value, has_flag, in_place_allowed, registered_capabilities, require_gpus_for_tp,
                     require_path, user_environment)
@@ -211,7 +212,7 @@ class SglangAdapter(EngineAdapter):
             # host copy of the weights through it. Without the backup (deep) the released weights are
             # gone and wake re-reads them from disk (update_weights_from_disk).
             argv.append("--enable-memory-saver")
-            if ctx.park_tier == "host_backed":
+            if resolve_park_tier(self, ctx.deployment, unified_memory=ctx.unified_memory) == HOST_BACKED:
                 argv.append("--enable-weights-cpu-backup")
         if tp > 1 and not has_flag(user, "--tp-size", "--tensor-parallel-size", "--tp"):
             argv += ["--tp-size", str(tp)]

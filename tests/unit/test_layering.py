@@ -44,6 +44,35 @@ def test_the_controller_package_has_no_import_cycle():
     assert "_controller" not in graph["_actor"] and "_actor" not in graph["_members"]
 
 
+def test_the_engines_package_has_no_import_cycle():
+    """Counting imports made under TYPE_CHECKING and inside functions, which only hide a cycle; and
+    no adapter module imports the package's own __init__ (it imports them all)."""
+    engines = PACKAGE.parent / "engines"
+    modules = {q.stem for q in engines.glob("*.py")} - {"__init__"}
+    graph = {p.stem: _imports(p) & modules for p in engines.glob("*.py") if p.stem != "__init__"}
+    visiting, done = set(), set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in done:
+            return
+        assert module not in visiting, f"import cycle: {' -> '.join([*path, module])}"
+        visiting.add(module)
+        for target in sorted(graph[module]):
+            visit(target, [*path, module])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    for path in engines.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
+                names = {alias.name for alias in node.names}
+                assert names <= modules, f"{path.name} imports {sorted(names - modules)} from capyctl.engines itself"
+
+
 def test_the_actor_uses_only_what_deployment_services_declares():
     declared = {name for name in dir(DeploymentServices) if not name.startswith("__")}
     declared |= set(DeploymentServices.__annotations__)
