@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._points import POINT_KEY, points
+from ._render import pyplot, save_chart
 from ._steps import RecipeRunError
 
 # Units where a larger figure is better; in all others (seconds, bytes, failures) smaller is.
@@ -141,11 +142,8 @@ HEADLINE = (("startup", "cold_ready"), ("startup", "first_token"), ("latency", "
 
 
 def write_chart(result: dict[str, Any], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     rows = [r for r in result["rows"] if (r["section"], r["metric"]) in HEADLINE and r["statistic"] != "p95"
             and all(q is not None for q in r["ratios"])]
@@ -164,10 +162,7 @@ def write_chart(result: dict[str, Any], out: Path) -> list[Path]:
     ax.invert_yaxis()
     ax.set(xlabel=f"ratio to {result['baseline']}", title="Recipe comparison")
     ax.legend(fontsize=7)
-    path = out / "compare.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return [path]
+    return save_chart(plt, fig, out / "compare.png")
 
 
 def write_comparison(result: dict[str, Any], out: Path) -> list[Path]:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..spec import DeploymentSpec, ManifestError, Problem
-from ..spec.loader import load_yaml, validation_problems
+from ..spec.loader import load_yaml, read_document, validation_problems
 from ..spec.models import NAME_PATTERN, ParkTier
 from ..spec._units import Size
 
@@ -211,13 +211,7 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
 
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RecipeError(str(path), [Problem("", None, "no such file")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(str(path), [Problem("", None, f"cannot be read: {exc}")]) from None
-    return parse_recipe(text, str(path))
+    return parse_recipe(read_document(path, RecipeError), str(path))
 
 
 def _subnode(root: Any, key: str) -> Any:

@@ -96,12 +96,27 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_park_chart(report: dict[str, Any], out: Path) -> list[Path]:
+def pyplot() -> Any:
+    """matplotlib's pyplot drawing off-screen, or None when matplotlib is not installed (the
+    ``charts`` extra): a report is then written without its charts."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def save_chart(plt: Any, fig: Any, path: Path) -> list[Path]:
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return [path]
+
+
+def write_park_chart(report: dict[str, Any], out: Path) -> list[Path]:
+    plt = pyplot()
+    if plt is None:
         return []
     tiers = report.get("park_wake") or []
     if not tiers:
@@ -116,10 +131,7 @@ def write_park_chart(report: dict[str, Any], out: Path) -> list[Path]:
     ax.set_xticks([j + width * (len(tiers) - 1) / 2 for j in range(len(metrics))], [label for _, label in metrics])
     ax.set(ylabel="ms (median)", title=f"Park and wake: {report['recipe']['name']}")
     ax.legend()
-    path = out / "park_wake.png"
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return [path]
+    return save_chart(plt, fig, out / "park_wake.png")
 
 
 def write_report(report: dict[str, Any], out: Path) -> list[Path]:

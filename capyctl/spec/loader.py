@@ -206,15 +206,19 @@ def parse_manifest(text: str, source: str = "<manifest>") -> DeploymentSpec | En
         raise ManifestError(source, _problems(exc, root)) from None
 
 
+def read_document(path: Path, error: type[ManifestError] = ManifestError) -> str:
+    """The text of a manifest-like file; ``error`` naming the file when it is missing or unreadable."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(str(path), [Problem("", None, "no such file")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(str(path), [Problem("", None, f"cannot be read: {exc}")]) from None
+
+
 def load_manifest(path: str | Path) -> DeploymentSpec | EngineSpec:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ManifestError(str(path), [Problem("", None, "no such file")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError(str(path), [Problem("", None, f"cannot be read: {exc}")]) from None
-    return parse_manifest(text, str(path))
+    return parse_manifest(read_document(path), str(path))
 
 
 def load_deployment(path: str | Path) -> DeploymentSpec:

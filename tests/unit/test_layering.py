@@ -25,8 +25,8 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-def test_the_controller_package_has_no_import_cycle():
-    graph = {p.stem: _imports(p) & {q.stem for q in PACKAGE.glob("*.py")} for p in PACKAGE.glob("*.py")}
+def _assert_no_cycle(graph: dict[str, set[str]]) -> None:
+    """Depth-first over the module graph; the first cycle found fails with its path."""
     visiting, done = set(), set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -41,6 +41,11 @@ def test_the_controller_package_has_no_import_cycle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_the_controller_package_has_no_import_cycle():
+    graph = {p.stem: _imports(p) & {q.stem for q in PACKAGE.glob("*.py")} for p in PACKAGE.glob("*.py")}
+    _assert_no_cycle(graph)
     assert "_controller" not in graph["_actor"] and "_actor" not in graph["_members"]
 
 
@@ -49,21 +54,7 @@ def test_the_engines_package_has_no_import_cycle():
     no adapter module imports the package's own __init__ (it imports them all)."""
     engines = PACKAGE.parent / "engines"
     modules = {q.stem for q in engines.glob("*.py")} - {"__init__"}
-    graph = {p.stem: _imports(p) & modules for p in engines.glob("*.py") if p.stem != "__init__"}
-    visiting, done = set(), set()
-
-    def visit(module: str, path: list[str]) -> None:
-        if module in done:
-            return
-        assert module not in visiting, f"import cycle: {' -> '.join([*path, module])}"
-        visiting.add(module)
-        for target in sorted(graph[module]):
-            visit(target, [*path, module])
-        visiting.discard(module)
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module, [])
+    _assert_no_cycle({p.stem: _imports(p) & modules for p in engines.glob("*.py") if p.stem != "__init__"})
     for path in engines.glob("*.py"):
         if path.stem == "__init__":
             continue
