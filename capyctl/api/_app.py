@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
-from ..controller import Controller, UsageView
+from ..controller import Command, Controller, UsageView
 from ..errors import CapyError, InvalidRequest
 from ..spec import DeploymentSpec, EngineSpec, ManifestError
 from ..store import Store
@@ -138,7 +138,7 @@ async def create_deployment(request: web.Request) -> web.StreamResponse:
     async def run() -> dict:
         actor = await ctl.deploy(spec, activate=False, progress=progress)
         if activate:
-            waker = actor.submit("wake", progress=progress)
+            waker = actor.submit(Command.WAKE, progress=progress)
             if wait:
                 await waker
         return actor.describe()

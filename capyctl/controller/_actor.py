@@ -1,8 +1,32 @@
 """One deployment's state machine, owned by one asyncio task.
 
-Every change of state goes through the actor's command queue, so two requests never race a
-wake and a park never cuts a request short. Requests do not change state: they only count
-themselves (waiting, in flight) and ask for a wake, joining the one already under way.
+Every change of state goes through the actor's command queue (``submit``), so two requests
+never race a wake and a park never cuts a request short; the actor is the one writer of its
+state, and ``_set`` checks every change against the table in controller/_lifecycle.py.
+Requests do not change state: they only count themselves (waiting, in flight) and ask for a
+wake, joining the one under way.
+
+                wake                  healthy (and proven)
+  STOPPED -------------> STARTING -------------------------> READY <---------------+
+   ^   |                                                     |  ^  |                |
+   |   |                                                park |  |  | stop           | healthy
+   |   |                                                     v  |  |                | (and proven)
+   |   |                                               PARKING -+  |                |
+   |   |                                                  |  busy  |                |
+   |   |                                                  v        |       wake     |
+   |   +--------------- adopt, restore -------------->  PARKED ----|----------> WAKING
+   |                                                      |        |
+   |                   stop                               v        v
+   +------------------------------------------------- STOPPING <---+
+
+  FAILED is reached from any state: the unit exits, the engine hangs, a start times out, or a
+  command errs half-way. It leaves by wake (after its back-off) to STARTING, by stop to
+  STOPPING, and by adopt (a host came back with its unit) to READY or PARKED.
+  READY -> WAKING: the proof after a wake failed, and the engine restarts cleanly.
+  STOPPED -> READY: adopt, a unit a previous daemon started that is still healthy.
+
+The table (TRANSITIONS) is the authority; the picture is its summary. A command that errs
+half-way leaves the deployment FAILED rather than in a state no command is running.
 
 A ready deployment whose room another waits for closes its door (controller/_turns.py): the
 requests already waiting still enter, new ones wait for its next turn; they do not make it busy.
@@ -26,11 +50,10 @@ from ..proxy.router import Upstream
 from ..engines._tiers import RESTART, TIER_SLEEP_LEVEL
 from ..spec import DeploymentSpec, PathModel
 from ..store import Revision
-from ._group import FAILED as GROUP_FAILED
-from ._group import PARKED as GROUP_PARKED
 from ._confine import engine_location
 from ._group import ModelGroup
 from ._keys import new_engine_key
+from ._lifecycle import RESTING, RUNNING, Command, DeploymentState, InvalidTransition, allowed
 from ._parking import (MAX_PROOF_FAILURES, generate_proof, proof_mismatch, rounded)
 from ._parking import new_record as new_park_record
 from ._parking import now as wall_clock
@@ -43,10 +66,6 @@ from ._turns import Pulse, RoomWaitTimeout, WakeCancelled, wait_for_beat
 
 log = logging.getLogger("capyctl.controller")
 
-# States, as the design names them.
-STOPPED, STARTING, READY, PARKING, PARKED, WAKING, STOPPING, FAILED = (
-    "stopped", "starting", "ready", "parking", "parked", "waking", "stopping", "failed")
-RUNNING_STATES = {STARTING, READY, PARKING, WAKING}
 # How long a failed deployment refuses wakes before trying again (doubles per failure, capped).
 RESTART_BACKOFF_S = 2.0
 RESTART_BACKOFF_MAX_S = 300.0
@@ -100,8 +119,8 @@ class _Laps:
         return ", ".join(f"{stage} {seconds * 1000:.0f} ms" for stage, seconds in self.stages.items())
 
 
-def _no_progress(_: str) -> None:
-    pass
+def no_progress(_: str) -> None:
+    """The progress of a command nobody watches."""
 
 
 class Busy(CapyError):
@@ -110,8 +129,10 @@ class Busy(CapyError):
 
 
 @dataclass
-class _Command:
-    op: str  # wake | park | stop | delete | unit_exited | restart_after_failed_proof | ...
+class _Queued:
+    """A submitted command: its handler's arguments and the future its caller awaits."""
+
+    command: Command
     future: asyncio.Future
     args: dict[str, Any] = field(default_factory=dict)
 
@@ -120,7 +141,7 @@ class DeploymentActor:
     def __init__(self, controller: DeploymentServices, revision: Revision) -> None:
         self.controller = controller
         self.revision = revision
-        self.state = STOPPED
+        self.state = DeploymentState.STOPPED  # written by _set alone
         self.reason: str | None = None
         self.journal: list[str] = []
         self.in_flight = 0
@@ -175,7 +196,7 @@ class DeploymentActor:
         # launch of the same engine without CapyCTL.
         self.launch_command: dict | None = None
         self._upstream: tuple[tuple, DeploymentSpec, Upstream] | None = None  # see upstream()
-        self._commands: asyncio.Queue[_Command] = asyncio.Queue()
+        self._commands: asyncio.Queue[_Queued] = asyncio.Queue()
         self._queued_other_than_wake = 0  # queued commands that change course (see redirected)
         self._wake_for_requests = False  # the running wake was asked by requests (_do_wake)
         self._wake_future: asyncio.Future | None = None
@@ -187,8 +208,21 @@ class DeploymentActor:
         self.group: Any = None
         self._group_watch: asyncio.Task | None = None
         self._expect_exit = False
-        # Probes the engine while READY; a hung one is failed (see _liveness.py).
+        # Probes the engine while DeploymentState.READY; a hung one is failed (see _liveness.py).
         self.liveness = Liveness(self)
+        # Each command's one handler: grep finds who answers a command here, and who asks by its name.
+        self._handlers: dict[Command, Callable[..., Any]] = {
+            Command.WAKE: self._do_wake,
+            Command.PARK: self._do_park,
+            Command.STOP: self._do_stop,
+            Command.DELETE: self._do_delete,
+            Command.ADOPT: self._do_adopt,
+            Command.RESTORE_PARKED: self._do_restore_parked,
+            Command.FAILED_WHILE_AWAY: self._do_failed_while_away,
+            Command.UNIT_EXITED: self._do_unit_exited,
+            Command.ENGINE_UNRESPONSIVE: self._do_engine_unresponsive,
+            Command.RESTART_AFTER_FAILED_PROOF: self._do_restart_after_failed_proof,
+        }
         self._task = asyncio.create_task(self._run(), name=f"deployment:{self.name}")
 
     # -- identity ---------------------------------------------------------------------------
@@ -319,7 +353,7 @@ class DeploymentActor:
     def admit_now(self) -> bool:
         """Admit one request at once if nothing stands in its way (ready, no command queued, its
         hosts usable); False, with nothing marked, when it must go through ``admit``."""
-        if self.state == READY and self._commands.empty() and self._door_mark is None \
+        if self.state == DeploymentState.READY and self._commands.empty() and self._door_mark is None \
                 and self.controller.placement_error(self) is None:
             self._enter()
             return True
@@ -331,10 +365,10 @@ class DeploymentActor:
         blocked = self.controller.placement_error(self)
         if blocked is not None:
             raise blocked
-        if self.state == READY and self._commands.empty() and self._door_mark is None:
+        if self.state == DeploymentState.READY and self._commands.empty() and self._door_mark is None:
             self._enter()
             return
-        if self.state == FAILED and time.monotonic() - self.failed_at < self._backoff():
+        if self.state == DeploymentState.FAILED and time.monotonic() - self.failed_at < self._backoff():
             raise Unavailable(f"deployment {self.name!r} failed: {self.reason}; it is retried after "
                               f"{self._backoff():.0f}s", code="deployment_failed",
                               retry_after=self._backoff() - (time.monotonic() - self.failed_at))
@@ -357,7 +391,7 @@ class DeploymentActor:
             deadline = time.monotonic() + bound
             told_door = False
             while True:
-                if self.state == READY and self._commands.empty():
+                if self.state == DeploymentState.READY and self._commands.empty():
                     if self._door_mark is None or ticket < self._door_mark:
                         admitted = True
                         break
@@ -447,88 +481,102 @@ class DeploymentActor:
         self._idle_if_done()
 
     def _retry_after(self) -> float:
-        return 1.0 if self.state == READY else 5.0
+        return 1.0 if self.state == DeploymentState.READY else 5.0
 
     def _backoff(self) -> float:
         return min(RESTART_BACKOFF_S * 2 ** max(self.failures - 1, 0), RESTART_BACKOFF_MAX_S)
 
     def _request_wake(self) -> asyncio.Future:
         if self._wake_future is None or self._wake_future.done():
-            self._wake_future = self.submit("wake", progress=self._tell_waiting, for_requests=True)
+            self._wake_future = self.submit(Command.WAKE, progress=self._tell_waiting, for_requests=True)
         return self._wake_future
 
     # -- commands -----------------------------------------------------------------------------
 
-    def submit(self, op: str, **args: Any) -> asyncio.Future:
+    def submit(self, command: Command, **args: Any) -> asyncio.Future:
+        """Queue ``command`` for the actor's task; the future gives its handler's result."""
+        command = Command(command)  # refuses a name that is no command at once, in the caller
         future = asyncio.get_running_loop().create_future()
         # A caller that stops waiting must not leave "exception never retrieved" noise behind.
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self._commands.put_nowait(_Command(op, future, args))
-        if op != "wake":
+        self._commands.put_nowait(_Queued(command, future, args))
+        if command.changes_course:
             self._queued_other_than_wake += 1
         return future
 
     async def _run(self) -> None:
         while True:
-            cmd = await self._commands.get()
-            if cmd.op != "wake":
+            queued = await self._commands.get()
+            command = queued.command
+            if command.changes_course:
                 self._queued_other_than_wake -= 1
-            if cmd.future.cancelled():
+            if queued.future.cancelled():
                 continue
             try:
-                result = await getattr(self, f"_do_{cmd.op}")(**cmd.args)
+                result = await self._handlers[command](**queued.args)
             except asyncio.CancelledError:
-                if not cmd.future.done():
-                    cmd.future.cancel()
+                if not queued.future.done():
+                    queued.future.cancel()
                 raise
             except CapyError as exc:
-                if not cmd.future.done():
-                    cmd.future.set_exception(exc)
+                self._settle(command, exc)
+                if not queued.future.done():
+                    queued.future.set_exception(exc)
             except Exception as exc:  # a bug must not kill the actor; the caller sees it
-                log.exception("deployment %s: %s failed", self.name, cmd.op)
-                if not cmd.future.done():
-                    cmd.future.set_exception(CapyError(f"{cmd.op} failed: {exc!r}", code="internal_error"))
+                log.exception("deployment %s: %s failed", self.name, command)
+                error = CapyError(f"{command} failed: {exc!r}", code="internal_error")
+                self._settle(command, error)
+                if not queued.future.done():
+                    queued.future.set_exception(error)
             else:
-                if not cmd.future.done():
-                    cmd.future.set_result(result)
-            if cmd.op == "delete" and cmd.future.done() and not cmd.future.exception():
+                if not queued.future.done():
+                    queued.future.set_result(result)
+            if command is Command.DELETE and queued.future.done() and not queued.future.exception():
                 return
 
-    def _set(self, state: str, reason: str | None = None, *, persist: bool = True) -> None:
+    def _settle(self, command: Command, error: CapyError) -> None:
+        """After a command that erred: a deployment it left half-way (parking, stopping, ...) is
+        failed with the error, so that no state outlasts the command that entered it."""
+        if self.state not in RESTING:
+            self.reason_code = error.code
+            self._set(DeploymentState.FAILED, f"{error.code}: {command} failed: {error.message}")
+
+    def _set(self, state: DeploymentState, reason: str | None = None) -> None:
+        """The one place a deployment's state changes; the change must be in _lifecycle.TRANSITIONS."""
+        if not allowed(self.state, state):
+            raise InvalidTransition(f"deployment {self.name!r} may not go from {self.state} to {state}")
         if state != self.state:
             log.info("deployment %s: %s -> %s%s", self.name, self.state, state, f" ({reason})" if reason else "")
         self.state = state
         self.reason = reason
         self._door_pulse.beat()
-        self.liveness.follow(state == READY)
-        if persist:
-            self.controller.record_runtime(
-                self.name, state, reason=reason, host=self.host, launch_id=self.launch_id, port=self.port,
-                model_path=self.model_path)
+        self.liveness.follow(state == DeploymentState.READY)
+        self.controller.record_runtime(self.name, state, reason=reason, host=self.host, launch_id=self.launch_id,
+                                       port=self.port, model_path=self.model_path)
         self.controller.on_state_change(self)
 
     # -- wake ---------------------------------------------------------------------------------
 
-    async def _do_wake(self, progress: Progress = _no_progress, for_requests: bool = False) -> str:
+    async def _do_wake(self, progress: Progress = no_progress, for_requests: bool = False) -> str:
         """``for_requests``: asked by waiting requests (not by an operator), so a wait for room
         ends once none of them waits any more (``abandoned``)."""
         self._wake_for_requests = for_requests
-        if self.state == READY:
+        if self.state == DeploymentState.READY:
             return self.state
-        if self.state == FAILED and time.monotonic() - self.failed_at < self._backoff():
+        if self.state == DeploymentState.FAILED and time.monotonic() - self.failed_at < self._backoff():
             raise Unavailable(f"failed: {self.reason}", code="deployment_failed")
         if self.spec.nodes > 1:
             return await self._wake_group(progress)
         started = time.monotonic()
         self._laps = laps = _Laps()
         # A wake from a park is proven against what the model generated before it; a start records that.
-        woken_from_park = self.state == PARKED
+        woken_from_park = self.state == DeploymentState.PARKED
         woken_in_place = False
         async with self._start_failures():
             await self.controller.make_room(self, progress)
             laps.lap("make room")
-            if self.state == PARKED and self.parked_in_place and await self._unit_active():
-                self._set(WAKING)
+            if self.state == DeploymentState.PARKED and self.parked_in_place and await self._unit_active():
+                self._set(DeploymentState.WAKING)
                 progress("waking the engine in place")
                 adapter = self.controller.adapter(self.spec)
                 await asyncio.wait_for(
@@ -540,7 +588,7 @@ class DeploymentActor:
                 woken_in_place = True
                 laps.lap("wake in place")
             else:
-                self._set(STARTING if self.state in (STOPPED, FAILED) else WAKING)
+                self._set(DeploymentState.STARTING if self.state in (DeploymentState.STOPPED, DeploymentState.FAILED) else DeploymentState.WAKING)
                 if not await self._open_armed(progress):
                     await self._launch(progress)
             await self._wait_healthy(progress, self.spec.timeouts.start)
@@ -563,7 +611,7 @@ class DeploymentActor:
                 laps.lap("proof")
         self.failures = 0
         self.wakes += 1
-        self._set(READY)
+        self._set(DeploymentState.READY)
         log.info("deployment %s: ready in %.3fs, %s (%s)", self.name, time.monotonic() - started,
                  "woken from its park" if woken_from_park else "started", laps)
         progress(f"ready in {time.monotonic() - started:.1f}s")
@@ -580,7 +628,7 @@ class DeploymentActor:
             await self._fail("start_timeout", f"not healthy within {self.spec.timeouts.start:.0f}s")
             raise Unavailable(f"deployment {self.name!r} did not become healthy in time", code="wake_timeout")
         except CapyError as exc:
-            if self.state != FAILED:
+            if self.state != DeploymentState.FAILED:
                 await self._fail(exc.code, exc.message)
             raise
 
@@ -613,7 +661,7 @@ class DeploymentActor:
         launch = self.launch_id
 
         def current() -> bool:
-            return self.state == READY and self.launch_id == launch
+            return self.state == DeploymentState.READY and self.launch_id == launch
 
         async def prove() -> None:
             try:
@@ -644,21 +692,21 @@ class DeploymentActor:
                 self._proofs_in_flight -= 1
                 self._idle_if_done()
             if failure is not None and current():
-                self.submit("restart_after_failed_proof", launch=launch)
+                self.submit(Command.RESTART_AFTER_FAILED_PROOF, launch=launch)
 
         self._proof_task = asyncio.create_task(prove(), name=f"proof:{self.name}")
 
     async def _do_restart_after_failed_proof(self, launch: str | None) -> str:
-        if self.state != READY or self.launch_id != launch:
+        if self.state != DeploymentState.READY or self.launch_id != launch:
             return self.state  # that launch is gone already
-        self._set(WAKING, "restarting: the wake failed its proof")
+        self._set(DeploymentState.WAKING, "restarting: the wake failed its proof")
         try:
             await self._drain(self.spec.timeouts.park, evicting=False)
         except Busy:
             pass  # as an explicit stop: the restart goes ahead after the grace time
         async with self._start_failures():
-            await self._restart_clean(_no_progress)
-        self._set(READY)
+            await self._restart_clean(no_progress)
+        self._set(DeploymentState.READY)
         return self.state
 
     async def _restart_clean(self, progress: Progress) -> None:
@@ -740,7 +788,7 @@ class DeploymentActor:
         no GPU and about a MiB of RAM. Its failure only means the wake starts the unit."""
         self._laps = _Laps()
         try:
-            await self._launch(_no_progress, gated=True)
+            await self._launch(no_progress, gated=True)
         except Exception as exc:  # arming is an optimisation: whatever failed, the park stands
             expected = isinstance(exc, (CapyError, OSError))
             log.log(logging.INFO if expected else logging.WARNING,
@@ -924,7 +972,7 @@ class DeploymentActor:
             except CapyError:
                 pass
         self.parked_in_place = False
-        self._set(FAILED, f"{code}: {message}")
+        self._set(DeploymentState.FAILED, f"{code}: {message}")
         if self._wake_future is not None and not self._wake_future.done():
             self._wake_future.set_exception(Unavailable(message, code=code))
 
@@ -943,7 +991,7 @@ class DeploymentActor:
                     if not self._expect_exit:
                         self.reason_code = failure_reason(st)
                         self.reason = f"{self.reason_code}: {failure_message(st)}"
-                        self.submit("unit_exited", code=self.reason_code, message=failure_message(st))
+                        self.submit(Command.UNIT_EXITED, code=self.reason_code, message=failure_message(st))
                     self._unit_exited.set()
                     return
         except asyncio.CancelledError:
@@ -952,9 +1000,9 @@ class DeploymentActor:
             log.exception("deployment %s: watching %s failed", self.name, self.unit)
 
     async def _do_unit_exited(self, code: str, message: str) -> None:
-        if self.state == PARKED and not self.parked_in_place:
+        if self.state == DeploymentState.PARKED and not self.parked_in_place:
             self._armed = None  # the armed unit is gone: the wake starts one
-        if self.state == FAILED or (self.state in (STOPPED, PARKED, STOPPING) and not self.parked_in_place):
+        if self.state == DeploymentState.FAILED or (self.state in (DeploymentState.STOPPED, DeploymentState.PARKED, DeploymentState.STOPPING) and not self.parked_in_place):
             return
         await self._fail(code, message)
 
@@ -963,7 +1011,7 @@ class DeploymentActor:
         (SIGTERM and SIGCONT, SIGKILL after a short grace), which cuts the
         requests in flight; the verdict, recorded first,
         tells the proxy what to answer them. The restart policy (backoff) applies as for a crash."""
-        if self.state != READY or launch_id != self.launch_id:
+        if self.state != DeploymentState.READY or launch_id != self.launch_id:
             return  # that launch is gone or no longer serving: nothing to judge
         error = self.liveness.condemn(launch_id, silent)
         if self.group is not None:
@@ -1000,22 +1048,22 @@ class DeploymentActor:
             raise Busy(f"deployment {self.name!r} has park: never", code="park_never")
         if self.group is not None:
             return await self._park_group(evicting, reason)
-        if self.state == PARKED and self.parked_in_place and not in_place_ok:
+        if self.state == DeploymentState.PARKED and self.parked_in_place and not in_place_ok:
             await self._stop_unit()  # its weights held host RAM that another deployment needs
             self.parked_in_place = False
-            self._set(PARKED, reason)
+            self._set(DeploymentState.PARKED, reason)
             return self.state
-        if self.state not in (READY, STARTING, WAKING):
+        if self.state not in (DeploymentState.READY, DeploymentState.STARTING, DeploymentState.WAKING):
             return self.state
         adapter = self.controller.adapter(self.spec)
         tier = self.park_tier
         in_place = adapter.park_method(self.spec) == "in_place" and self.spec.park == "auto" and in_place_ok \
             and tier in TIER_SLEEP_LEVEL
-        self._set(PARKING, reason)
+        self._set(DeploymentState.PARKING, reason)
         try:
             await self._drain(self.spec.timeouts.park, evicting=evicting)
         except Busy:
-            self._set(READY)
+            self._set(DeploymentState.READY)
             raise
         if in_place:
             try:
@@ -1032,7 +1080,7 @@ class DeploymentActor:
             await self._stop_unit()
             self.parked_in_place = False
         self.parks += 1
-        self._set(PARKED, reason)
+        self._set(DeploymentState.PARKED, reason)
         # What the park really released: memory NVML or the cgroup still shows stays charged.
         retained = await self.controller.retain_after_park(self) if in_place else {}
         self._save_park_record(tier=tier if in_place else RESTART, parked_at=wall_clock(), parked_in_place=in_place,
@@ -1116,10 +1164,10 @@ class DeploymentActor:
     async def _do_stop(self) -> str:
         if self.group is not None:
             await self._stop_group()
-        if self.state in (STOPPED,):
+        if self.state in (DeploymentState.STOPPED,):
             return self.state
-        if self.state in (READY, STARTING, WAKING, PARKED, FAILED):
-            self._set(STOPPING)
+        if self.state in (DeploymentState.READY, DeploymentState.STARTING, DeploymentState.WAKING, DeploymentState.PARKED, DeploymentState.FAILED):
+            self._set(DeploymentState.STOPPING)
             try:
                 await self._drain(self.spec.timeouts.park, evicting=False)
             except Busy:
@@ -1128,7 +1176,7 @@ class DeploymentActor:
         self._drop_prompt_cache()
         self.parked_in_place = False
         self.failures = 0
-        self._set(STOPPED)
+        self._set(DeploymentState.STOPPED)
         return self.state
 
     async def _do_delete(self) -> str:
@@ -1140,6 +1188,22 @@ class DeploymentActor:
         await self.controller.remove_secret_key_on(self.host, self.name)
         await self.controller.remove_secret_files_on(self.host, self.secret_files)
         return "deleted"
+
+    async def _do_restore_parked(self) -> str:
+        """Reconcile found it recorded parked and no unit of it running: parked by stopping."""
+        if self.state == DeploymentState.STOPPED:
+            self.parked_in_place = False
+            self._set(DeploymentState.PARKED, self.reason)
+        return self.state
+
+    async def _do_failed_while_away(self) -> str:
+        """Reconcile found its unit failed while no daemon watched it: failed, with no back-off
+        (the next request retries at once)."""
+        if self.state in RESTING:
+            self.failed_at = time.monotonic() - RESTART_BACKOFF_MAX_S
+            self.parked_in_place = False
+            self._set(DeploymentState.FAILED, "the engine's unit failed while CapyCTL was not running")
+        return self.state
 
     async def _do_adopt(self, unit_state: Any, runtime: Any) -> str:
         """Take over a unit a previous daemon started: no restart of a healthy engine."""
@@ -1158,26 +1222,26 @@ class DeploymentActor:
         engine = self.controller.engine_for(self.spec)
         adapter = self.controller.adapter(self.spec)
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=self.model_path)
-        if runtime.state == PARKED and unit_state.markers.get("gate") == "armed":
+        if runtime.state == DeploymentState.PARKED and unit_state.markers.get("gate") == "armed":
             # Armed at a park by the previous daemon, which alone knew what it was planned with:
             # stopped, so the next wake starts a launch planned here.
             await self._stop_unit()
             self.parked_in_place = False
-            self._set(PARKED, "adopted")
+            self._set(DeploymentState.PARKED, "adopted")
             return self.state
         self._unit_exited.clear()
         self._expect_exit = False
         self._start_watch()
-        if runtime.state == PARKED:
+        if runtime.state == DeploymentState.PARKED:
             self.parked_in_place = True
-            self._set(PARKED, "adopted")
+            self._set(DeploymentState.PARKED, "adopted")
             return self.state
         try:
-            await self._wait_healthy(_no_progress, self.spec.timeouts.start)
+            await self._wait_healthy(no_progress, self.spec.timeouts.start)
         except (asyncio.TimeoutError, CapyError) as exc:
             await self._fail("adopt_failed", f"adopted unit is not healthy: {exc}")
             return self.state
-        self._set(READY)
+        self._set(DeploymentState.READY)
         return self.state
 
     # -- multi-node groups ------------------------------------------------------------------------
@@ -1197,7 +1261,7 @@ class DeploymentActor:
             await self._fail(exc.code, exc.message)
             raise
         try:
-            if self.group is None or self.group.state == GROUP_FAILED:
+            if self.group is None or self.group.state == DeploymentState.FAILED:
                 members = group_members(self)
                 head = members[0].host
                 self.members = UnitMembers(self)
@@ -1209,13 +1273,13 @@ class DeploymentActor:
                     start_timeout=self.spec.timeouts.start, stop_timeout=self.spec.timeouts.stop)
             self.host = self.group.head.member.host
             self.socket_path = None  # group heads serve on TCP: their members must reach each other
-            if self.group.state == GROUP_PARKED and self.group.park_in_place:
-                self._set(WAKING)
+            if self.group.state == DeploymentState.PARKED and self.group.park_in_place:
+                self._set(DeploymentState.WAKING)
                 progress("waking the group through its head")
                 await asyncio.wait_for(self.group.wake(), timeout=self.spec.timeouts.wake)
             else:
                 self.launch_id = secrets.token_hex(8)
-                self._set(STARTING if self.state in (STOPPED, FAILED) else WAKING)
+                self._set(DeploymentState.STARTING if self.state in (DeploymentState.STOPPED, DeploymentState.FAILED) else DeploymentState.WAKING)
                 progress(f"starting {len(self.group.launches)} members, the head on host {self.host}")
                 await self.group.start()
             self.port = self.members.ports[0]
@@ -1232,7 +1296,7 @@ class DeploymentActor:
             self._group_watch = asyncio.create_task(self._watch_group(self.group), name=f"group:{self.name}")
         self.failures = 0
         self.wakes += 1
-        self._set(READY)
+        self._set(DeploymentState.READY)
         progress(f"ready in {time.monotonic() - started:.1f}s")
         return self.state
 
@@ -1240,38 +1304,40 @@ class DeploymentActor:
         failure = await group.wait_failed()
         if group is self.group:
             self._unit_exited.set()
-            self.submit("unit_exited", code=failure.code, message=failure.message)
+            self.submit(Command.UNIT_EXITED, code=failure.code, message=failure.message)
 
     async def _park_group(self, evicting: bool, reason: str | None) -> str:
-        if self.state != READY:
+        if self.state != DeploymentState.READY:
             return self.state
-        self._set(PARKING, reason)
+        self._set(DeploymentState.PARKING, reason)
         try:
             await self._drain(self.spec.timeouts.park, evicting=evicting)
         except Busy:
-            self._set(READY)
+            self._set(DeploymentState.READY)
             raise
         if self.group.park_in_place:
             await asyncio.wait_for(self.group.park(), timeout=self.spec.timeouts.park)
         else:
-            await self._stop_group(keep=True)
-        self.parked_in_place = self.group is not None and self.group.park_in_place
+            # Parked by stopping its members: the group stays, and the next wake starts it again.
+            self._cancel_group_watch()
+            await self.group.park()
+            self._unit_exited.set()
+        self.parked_in_place = self.group.park_in_place
         self.parks += 1
-        self._set(PARKED, reason)
+        self._set(DeploymentState.PARKED, reason)
         return self.state
 
-    async def _stop_group(self, keep: bool = False) -> None:
-        """Stop every member; ``keep`` keeps the group (parked by stop: the next wake starts it again)."""
-        group = self.group
-        if not keep:
-            self.group = None
+    async def _stop_group(self) -> None:
+        """Stop every member and forget the group (the next wake makes a new one)."""
+        group, self.group = self.group, None
+        self._cancel_group_watch()
+        await group.stop()
+        self._unit_exited.set()
+
+    def _cancel_group_watch(self) -> None:
         if self._group_watch is not None:
             self._group_watch.cancel()
             self._group_watch = None
-        await group.stop()
-        if keep:
-            group.state = GROUP_PARKED
-        self._unit_exited.set()
 
     # -- reporting --------------------------------------------------------------------------------
 
@@ -1280,8 +1346,8 @@ class DeploymentActor:
         return {
             "name": self.name, "state": self.state, "reason": self.reason, "revision": self.revision.revision,
             "engine": spec.engine, "unit": self.unit, "model": self._model_label(),
-            "model_commit": self.model_commit, "port": self.port if self.state in RUNNING_STATES else None,
-            "socket": self.socket_path if self.state in RUNNING_STATES or self.parked_in_place else None,
+            "model_commit": self.model_commit, "port": self.port if self.state in RUNNING else None,
+            "socket": self.socket_path if self.state in RUNNING or self.parked_in_place else None,
             "hosts": spec.hosts[:spec.nodes] if spec.nodes > 1
             else [self.host] if self.launch_id or not spec.hosts else spec.hosts,
             "host_state": self._host_state(), "in_flight": self.in_flight, "waiting": self.waiting,
@@ -1293,9 +1359,9 @@ class DeploymentActor:
             "park_tier": self.park_tier,
             "park_record": {k: v for k, v in self.park_record.items() if k != "reference"},
             "parsers": self.parsers(),
-            # Members (units) serving against those the deployment has (`nodes`): READY "1/1", "0/2".
-            "members": {"ready": spec.nodes if self.state == READY else 0, "desired": spec.nodes},
-            "journal": self.journal if self.state == FAILED else [],
+            # Members (units) serving against those the deployment has (`nodes`): DeploymentState.READY "1/1", "0/2".
+            "members": {"ready": spec.nodes if self.state == DeploymentState.READY else 0, "desired": spec.nodes},
+            "journal": self.journal if self.state == DeploymentState.FAILED else [],
         }
 
     def _host_state(self) -> str:

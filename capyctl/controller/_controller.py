@@ -23,8 +23,8 @@ from ..proxy.router import DurationCounts, MemoryGauge, ModelEntry, Upstream
 from ..scheduler import NoRoom
 from ..spec import DeploymentSpec, EngineSpec
 from ..store import Store
-from ._actor import (FAILED, PARKED, READY, RUNNING_STATES, STARTING, WAKING, Busy, DeploymentActor,
-                     Progress, _no_progress)
+from ._actor import Busy, DeploymentActor, Progress, no_progress
+from ._lifecycle import RUNNING, Command, DeploymentState
 from ._hosts import LOCAL, HostRegistry
 from . import _parking as parking
 from ._memory import MemoryPlanner, refresh_gpus, wait_released
@@ -100,23 +100,21 @@ class Controller:
                 continue
             unit = units.pop(actor.unit, None)
             runtime = self.store.get_runtime(name)
-            was_placed = actor.state in RUNNING_STATES or actor.parked_in_place
+            was_placed = actor.state in RUNNING or actor.parked_in_place
             # Multi-node groups are not adopted: their members are restarted on the next request.
             if unit is not None and unit.active_state in ("active", "activating", "reloading") and runtime \
                     and runtime.launch_id and unit.markers.get("launch") == runtime.launch_id \
                     and actor.spec.nodes == 1:
-                adopting.append(actor.submit("adopt", unit_state=unit, runtime=runtime))
+                adopting.append(actor.submit(Command.ADOPT, unit_state=unit, runtime=runtime))
             else:
                 if unit is not None and unit.active_state == "failed":
-                    actor.state = FAILED
-                    actor.reason = "the engine's unit failed while CapyCTL was not running"
-                    actor.failed_at = time.monotonic() - 3600  # no backoff: the next request retries
+                    adopting.append(actor.submit(Command.FAILED_WHILE_AWAY))
                 elif was_placed:
                     # Its engine went away while the host was out of reach.
-                    adopting.append(actor.submit("unit_exited", code="unit_lost",
+                    adopting.append(actor.submit(Command.UNIT_EXITED, code="unit_lost",
                                                  message=f"its unit was gone when host {host!r} came back"))
-                elif runtime and runtime.state == PARKED:
-                    actor.state = PARKED
+                elif runtime and runtime.state == DeploymentState.PARKED:
+                    adopting.append(actor.submit(Command.RESTORE_PARKED))
                 if unit is not None and unit.active_state != "failed":
                     # A unit of ours that does not match the recorded launch: stop it rather than
                     # serve an unknown revision with a key we do not have.
@@ -139,7 +137,7 @@ class Controller:
         if self._idle_task:
             self._idle_task.cancel()
         if stop_units:
-            await asyncio.gather(*(a.submit("stop") for a in self.actors.values()), return_exceptions=True)
+            await asyncio.gather(*(a.submit(Command.STOP) for a in self.actors.values()), return_exceptions=True)
         await asyncio.gather(*(a.close() for a in self.actors.values()), return_exceptions=True)
         await self.hosts.close()
         if self.http:
@@ -440,8 +438,8 @@ class Controller:
 
     def placement_error(self, actor: DeploymentActor) -> CapyError | None:
         """Why a request for ``actor`` cannot be served now because of its hosts, or None."""
-        placed = actor.state in RUNNING_STATES or actor.parked_in_place
-        if self.cordoned and actor.state not in RUNNING_STATES:
+        placed = actor.state in RUNNING or actor.parked_in_place
+        if self.cordoned and actor.state not in RUNNING:
             # Refused before a wake starts: a cordon is the operator's choice, not the deployment's failure.
             try:
                 self.allowed_hosts(actor)
@@ -516,18 +514,18 @@ class Controller:
             actor = self.actors.get(name)
             if actor is None:
                 continue
-            was_serving = actor.state in RUNNING_STATES
+            was_serving = actor.state in RUNNING
             row: dict[str, Any] = {"name": name, "action": "parked", "error": None}
             try:
                 # Out of place: weights kept in this host's RAM would bring the next wake back here.
-                await actor.submit("park", in_place_ok=False, reason=f"host {host} drained")
+                await actor.submit(Command.PARK, in_place_ok=False, reason=f"host {host} drained")
                 if was_serving and actor.spec.nodes == 1 and actor.spec.park != "never":
                     try:
                         others = self.allowed_hosts(actor)
                     except CapyError:
                         others = ()
                     if others:
-                        await actor.submit("wake")
+                        await actor.submit(Command.WAKE)
                         row["action"] = "moved"
             except CapyError as exc:
                 row["error"] = exc.to_dict()
@@ -556,7 +554,7 @@ class Controller:
 
     async def remove_host(self, name: str) -> None:
         users = [a.name for a in self.actors.values()
-                 if a.host == name and (a.state in RUNNING_STATES or a.parked_in_place)]
+                 if a.host == name and (a.state in RUNNING or a.parked_in_place)]
         if users:
             raise Conflict(f"host {name!r} runs deployments {', '.join(sorted(users))}; stop them first",
                            code="host_in_use")
@@ -572,7 +570,7 @@ class Controller:
         row = self.hosts.describe(name)
         row["engines"] = sorted({e.type for e in self.store.list_engines()})
         row["deployments"] = sorted(a.name for a in self.actors.values()
-                                    if a.host == name and (a.state in RUNNING_STATES or a.parked_in_place))
+                                    if a.host == name and (a.state in RUNNING or a.parked_in_place))
         cordoned_at = self.cordoned.get(name)
         row["cordoned"] = cordoned_at is not None
         row["cordoned_at"] = cordoned_at
@@ -656,7 +654,7 @@ class Controller:
                     await asyncio.wait_for(
                         # Parking a stop-only engine stops its unit; "stop" here only
                         # forbids an in-place park whose weights would not fit in RAM.
-                        victim.submit("park", evicting=True, in_place_ok=action == "park",
+                        victim.submit(Command.PARK, evicting=True, in_place_ok=action == "park",
                                       reason=f"made room for {actor.name}"),
                         timeout=victim.spec.timeouts.park + victim.spec.timeouts.stop + 5)
                     self.evictions[victim.name] = self.evictions.get(victim.name, 0) + 1
@@ -679,13 +677,13 @@ class Controller:
     def on_state_change(self, actor: DeploymentActor) -> None:
         self.memory.observe(actor)
         self.turns.changed()
-        if actor.state in (STARTING, WAKING):
+        if actor.state in (DeploymentState.STARTING, DeploymentState.WAKING):
             self._wake_started.setdefault(actor.name, time.monotonic())
         elif actor.name in self._wake_started:
             started = self._wake_started.pop(actor.name)
-            if actor.state == READY:  # a failed wake is not a duration of a wake
+            if actor.state == DeploymentState.READY:  # a failed wake is not a duration of a wake
                 self._wake_durations.setdefault(actor.name, DurationCounts()).observe(time.monotonic() - started)
-        if actor.state == READY:
+        if actor.state == DeploymentState.READY:
             # Charges estimated from the model are corrected by what the engine really uses.
             task = asyncio.create_task(self._measure(actor), name=f"measure:{actor.name}")
             self._measuring.add(task)
@@ -761,10 +759,10 @@ class Controller:
             now = time.time()
             for actor in list(self.actors.values()):
                 after = self.idle_park_after(actor)
-                if after is None or actor.state != READY or actor.busy or actor.spec.park == "never":
+                if after is None or actor.state != DeploymentState.READY or actor.busy or actor.spec.park == "never":
                     continue
                 if now - (actor.last_used or now) >= after and not actor.has_pending_commands:
-                    actor.submit("park", evicting=True, idle=True, reason=f"idle for {after:.0f}s")
+                    actor.submit(Command.PARK, evicting=True, idle=True, reason=f"idle for {after:.0f}s")
 
     # -- Router (for the proxy) ---------------------------------------------------------------------
 
@@ -811,7 +809,7 @@ class Controller:
     def stats(self) -> dict[str, dict[str, float]]:
         return {a.name: {"queue_depth": a.waiting, "in_flight": a.in_flight, "wakes": a.wakes, "parks": a.parks,
                          "evictions": self.evictions.get(a.name, 0),
-                         "ready": 1.0 if a.state == READY else 0.0, **park_stats(a.park_record)}
+                         "ready": 1.0 if a.state == DeploymentState.READY else 0.0, **park_stats(a.park_record)}
                 for a in self.actors.values()}
 
     def wake_durations(self) -> dict[str, DurationCounts]:
@@ -874,7 +872,7 @@ class Controller:
         return actor
 
     async def deploy(self, spec: DeploymentSpec, *, activate: bool = False,
-                     progress: Progress = _no_progress) -> DeploymentActor:
+                     progress: Progress = no_progress) -> DeploymentActor:
         self.engine_for(spec)  # refuse an unknown engine before anything is recorded
         self.adapter(spec).check_task(spec)  # and a task its engine cannot be started for
         self.check_park_tier(spec)  # and a park tier its engine or host cannot deliver
@@ -885,9 +883,9 @@ class Controller:
             progress(f"recorded revision {revision.revision}")
         elif new:
             progress(f"revision {revision.revision} replaces {actor.revision.revision}")
-            was_running = actor.state in RUNNING_STATES or (actor.state == PARKED and actor.parked_in_place)
+            was_running = actor.state in RUNNING or (actor.state == DeploymentState.PARKED and actor.parked_in_place)
             if was_running:
-                await actor.submit("stop")
+                await actor.submit(Command.STOP)
             actor.revision = revision
             actor.capabilities = actor.spec_capabilities()
             if was_running:
@@ -896,22 +894,22 @@ class Controller:
             progress(f"revision {revision.revision} is unchanged")
         self._tell_listeners(actor)  # a new deployment or revision, before any state change
         if activate:
-            await actor.submit("wake", progress=progress)
+            await actor.submit(Command.WAKE, progress=progress)
         return actor
 
     async def park(self, name: str) -> DeploymentActor:
         actor = self.get(name)
-        await actor.submit("park", reason="parked by request")
+        await actor.submit(Command.PARK, reason="parked by request")
         return actor
 
     async def wake(self, name: str) -> DeploymentActor:
         actor = self.get(name)
-        await actor.submit("wake")
+        await actor.submit(Command.WAKE)
         return actor
 
     async def stop(self, name: str) -> DeploymentActor:
         actor = self.get(name)
-        await actor.submit("stop")
+        await actor.submit(Command.STOP)
         self.store.set_desired(name, "stopped")
         return actor
 
@@ -919,7 +917,7 @@ class Controller:
         actor = self.get(name)
         if actor.serving_clients:  # (the proof after a wake is drained by the delete's stop)
             raise Conflict(f"deployment {name!r} has requests in flight; stop it first", code="deployment_busy")
-        await actor.submit("delete")
+        await actor.submit(Command.DELETE)
         self.actors.pop(name, None)
         self.store.delete_deployment(name)
         self.store.remove_park_record(name)
@@ -961,7 +959,7 @@ class Controller:
         info["waiting_for_room"] = None if since is None else {
             "seconds": round(time.monotonic() - since, 3), "ahead": self.turns.ahead_of(name)}
         info["memory_current"] = info["memory_peak"] = None
-        if actor.state in RUNNING_STATES or actor.parked_in_place:
+        if actor.state in RUNNING or actor.parked_in_place:
             systemd = self.hosts.systemd(actor.host)
             try:
                 info["memory_current"] = await systemd.memory_current(actor.unit)

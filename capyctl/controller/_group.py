@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 from ..errors import CapyError
+from ._lifecycle import DeploymentState
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GroupFailed", "GroupMember", "MemberDriver", "MemberLaunch", "ModelGroup", "multinode_flags"]
 
-STOPPED, STARTING, READY, PARKING, PARKED, WAKING, STOPPING, FAILED = (
-    "stopped", "starting", "ready", "parking", "parked", "waking", "stopping", "failed")
 
 
 class GroupFailed(CapyError):
@@ -133,7 +132,7 @@ class ModelGroup:
     start_timeout: float = 600.0
     stop_timeout: float = 60.0
     poll_interval: float = 0.2
-    state: str = field(default=STOPPED, init=False)
+    state: DeploymentState = field(default=DeploymentState.STOPPED, init=False)
     failure: GroupFailed | None = field(default=None, init=False)
     _watchers: list[asyncio.Task] = field(default_factory=list, init=False, repr=False)
     _failed: asyncio.Event = field(default_factory=asyncio.Event, init=False, repr=False)
@@ -164,9 +163,9 @@ class ModelGroup:
         Raises GroupFailed (after stopping every member) when a member exits or a step
         times out.
         """
-        if self.state == READY:
+        if self.state == DeploymentState.READY:
             return
-        self.state = STARTING
+        self.state = DeploymentState.STARTING
         self.failure = None
         self._failed.clear()
         self._down.clear()
@@ -185,21 +184,21 @@ class ModelGroup:
             await self._fail_from(exc)
             raise self.failure if self.failure and not isinstance(exc, asyncio.CancelledError) else exc
         self._raise_if_failed()
-        self.state = READY
+        self.state = DeploymentState.READY
 
     async def stop(self) -> None:
         """Stop every member, workers first (a head that loses workers may log errors, not the reverse)."""
-        if self.state == STOPPED:
+        if self.state == DeploymentState.STOPPED:
             return
-        self.state = STOPPING
+        self.state = DeploymentState.STOPPING
         await self._stop_all()
-        self.state = STOPPED
+        self.state = DeploymentState.STOPPED
 
     async def park(self) -> None:
         self._raise_if_failed()
-        if self.state != READY:
+        if self.state != DeploymentState.READY:
             raise CapyError(f"group {self.name!r} is {self.state}, not ready", code="conflict", status=409)
-        self.state = PARKING
+        self.state = DeploymentState.PARKING
         if self.park_in_place:
             try:
                 await self.driver.park(self.head)
@@ -209,23 +208,23 @@ class ModelGroup:
             self._raise_if_failed()
         else:
             await self._stop_all()
-        self.state = PARKED
+        self.state = DeploymentState.PARKED
 
     async def wake(self) -> None:
         self._raise_if_failed()
-        if self.state != PARKED:
+        if self.state != DeploymentState.PARKED:
             raise CapyError(f"group {self.name!r} is {self.state}, not parked", code="conflict", status=409)
         if not self.park_in_place:
             await self.start()
             return
-        self.state = WAKING
+        self.state = DeploymentState.WAKING
         try:
             await self.driver.wake(self.head)
         except BaseException as exc:
             await self._fail_from(exc)
             raise self.failure or exc
         self._raise_if_failed()
-        self.state = READY
+        self.state = DeploymentState.READY
 
     async def wait_failed(self) -> GroupFailed:
         """Return the failure once the group has failed and its members are stopped (for the
@@ -256,9 +255,9 @@ class ModelGroup:
         self._record(launch, reason)
         # Fail the whole group at once: a group missing a rank cannot serve, and the survivors
         # would otherwise hang in their collectives holding GPU memory.
-        if self.state not in (STARTING, WAKING):  # start()/wake() clean up themselves
+        if self.state not in (DeploymentState.STARTING, DeploymentState.WAKING):  # start()/wake() clean up themselves
             await self._stop_all(keep_state=True)
-            self.state = FAILED
+            self.state = DeploymentState.FAILED
             self._down.set()
 
     def _record(self, launch: MemberLaunch, reason: str) -> None:
@@ -297,7 +296,7 @@ class ModelGroup:
                                                "reason": exc.message, "code": exc.code})
             self._failed.set()
         await self._stop_all(keep_state=True)
-        self.state = FAILED
+        self.state = DeploymentState.FAILED
         self._down.set()
 
     async def _stop_all(self, keep_state: bool = False) -> None:

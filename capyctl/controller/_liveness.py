@@ -21,6 +21,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from ..errors import CapyError
+from ._lifecycle import Command
 
 log = logging.getLogger("capyctl.controller")
 
@@ -34,7 +35,8 @@ PROBE_INTERVAL_MIN_S = 0.2
 # busy or blocked: that round says nothing about the engine.
 LAG_TOLERANCE_S = 1.0
 
-UNRESPONSIVE = "engine_unresponsive"
+# The error code of a deployment the watchdog failed (what a client and `capyctl status` see).
+UNRESPONSIVE_CODE = "engine_unresponsive"
 # A hung engine gets this long after SIGTERM (and SIGCONT) to exit before SIGKILL, not the full
 # timeouts.stop: its requests in flight wait for that exit. Seen here: llama-server SIGSTOPped
 # with a stream in flight, then SIGTERMed and SIGCONTed, logged "cleaning up before exit..." and
@@ -159,14 +161,14 @@ class Liveness:
             log.exception("deployment %s: the liveness watchdog failed", actor.name)
             return
         log.warning("deployment %s: the engine did not answer its health check for %.1fs", actor.name, silent)
-        actor.submit(UNRESPONSIVE, launch_id=launch, silent=silent)
+        actor.submit(Command.ENGINE_UNRESPONSIVE, launch_id=launch, silent=silent)
 
     def condemn(self, launch: str | None, silent: float) -> CapyError:
         """Record the verdict on ``launch`` (before its unit is stopped) and return it."""
         error = CapyError(
             f"the engine of {self.actor.name!r} did not answer its health check for {silent:.1f}s "
             f"(timeouts.unresponsive is {self.actor.spec.timeouts.unresponsive:g}s); CapyCTL stopped it",
-            code=UNRESPONSIVE, status=502)
+            code=UNRESPONSIVE_CODE, status=502)
         if launch is not None:
             if len(self._verdicts) > 16:  # verdicts matter only to requests of recent launches
                 self._verdicts.clear()

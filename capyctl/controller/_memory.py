@@ -35,6 +35,7 @@ from ..scheduler import plan as plan_placement
 from ..scheduler import plan_when_idle
 from ..spec import parse_size
 
+from ._lifecycle import DeploymentState
 from ._services import PlacedDeployment
 
 log = logging.getLogger("capyctl.controller")
@@ -204,7 +205,8 @@ def _local_gpus() -> tuple[GpuCard, ...]:
 
 
 def _stopped(actor: PlacedDeployment) -> bool:
-    return actor.state in ("stopped", "failed") or (actor.state == "parked" and not actor.parked_in_place)
+    return actor.state in (DeploymentState.STOPPED, DeploymentState.FAILED) \
+        or (actor.state == DeploymentState.PARKED and not actor.parked_in_place)
 
 
 class MemoryPlanner:

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from ..errors import CapyError
-from ._actor import RUNNING_STATES
+from ._lifecycle import RUNNING
 from ._hosts import LOCAL
 from ._memory import member_name
 
@@ -90,7 +90,7 @@ class UsageView:
         if actor.spec.nodes > 1:
             snapshot.unit_memory_unknown[actor.name] = "RAM of a multi-node group's members is not measured here"
             return
-        if not (actor.state in RUNNING_STATES or actor.parked_in_place):
+        if not (actor.state in RUNNING or actor.parked_in_place):
             snapshot.unit_memory[actor.name] = 0  # no unit, no cgroup: it holds no RAM
             return
         try:

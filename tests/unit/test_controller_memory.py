@@ -12,6 +12,7 @@ from capyctl.config import DaemonConfig
 from capyctl.controller._memory import MemoryPlanner
 from capyctl.engines import adapter_for
 from capyctl.scheduler import GpuCard, NoRoom
+from capyctl.controller import DeploymentState
 from capyctl.spec import parse_manifest
 from tests.fakes.deployments import PlacedDeploymentFake
 
@@ -391,7 +392,8 @@ async def test_a_park_arms_the_next_launch_on_the_planned_card_and_a_changed_pla
     assert systemd.gates_opened == ["capyctl-chat.service"] and actor.describe()["armed"] is False
 
     # Parked again and armed; then placement moves it to the other card before the wake.
-    actor._set("ready")
+    actor._set(DeploymentState.WAKING)  # as _do_wake does around the gate it opened
+    actor._set(DeploymentState.READY)
     await actor._do_park()
     assert systemd.started[-1].gated
     ctl.memory.gpus_for = lambda actor, rank=None: (0,)

@@ -16,8 +16,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from capyctl.controller._group import (FAILED, PARKED, READY, STOPPED, GroupFailed, GroupMember, MemberLaunch,
-                                       ModelGroup, multinode_flags)
+from capyctl.controller._group import GroupFailed, GroupMember, MemberLaunch, ModelGroup, multinode_flags
+from capyctl.controller._lifecycle import DeploymentState
+
+FAILED, PARKED, READY, STOPPED = (DeploymentState.FAILED, DeploymentState.PARKED, DeploymentState.READY,
+                                  DeploymentState.STOPPED)
 from capyctl.errors import CapyError
 
 FAKE = Path(__file__).resolve().parents[1] / "fakes" / "fake_multinode.py"

@@ -83,7 +83,8 @@ async def test_try_acquire_admits_at_once_only_what_acquire_would_admit_without_
     # hosts usable is admitted at once; anything else answers None, marks nothing, and is left to
     # acquire(), which waits, wakes or refuses.
     from capyctl.controller import DeploymentActor
-    from capyctl.controller._actor import READY
+    from capyctl.controller import DeploymentState
+    READY = DeploymentState.READY
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=ONLINE)
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"],
                           aliases=["m-alias"])
@@ -121,7 +122,8 @@ async def test_a_request_reads_nothing_from_the_store_once_its_launch_is_known(
     # The proxy asks for the Upstream on every request; the engine's kind is a store read (a
     # SELECT and a validated EngineSpec). It is read once a launch and address, not per request.
     from capyctl.controller import DeploymentActor
-    from capyctl.controller._actor import READY
+    from capyctl.controller import DeploymentState
+    READY = DeploymentState.READY
     from capyctl.spec import EngineSpec
     controller.store.put_engine(EngineSpec.model_validate(
         {"kind": "engine", "name": "llama", "type": "llama.cpp", "path": "/opt/llama-server"}))

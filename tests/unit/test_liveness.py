@@ -17,7 +17,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from capyctl.controller._liveness import (LAG_TOLERANCE_S, UNRESPONSIVE, Liveness, Watchdog, detection_bound,
+from capyctl.controller._lifecycle import Command
+from capyctl.controller._liveness import (LAG_TOLERANCE_S, Liveness, Watchdog, detection_bound,
                                           probe_interval, probe_timeout)
 from capyctl.errors import CapyError
 from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
@@ -215,7 +216,7 @@ async def test_a_ready_deployment_whose_engine_goes_silent_is_reported_once() ->
     await _until(lambda: actor.submitted, "the engine reported unresponsive")
     assert time.monotonic() - started <= detection_bound(1.0) + LAG_TOLERANCE_S
     [(op, args)] = actor.submitted
-    assert op == UNRESPONSIVE == "engine_unresponsive"
+    assert op is Command.ENGINE_UNRESPONSIVE
     assert args["launch_id"] == "launch-1" and args["silent"] >= 1.0
     liveness.stop()
 
