@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal as signal_module
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from dbus_fast import BusType, Message, MessageType
+from dbus_fast import BusType, Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from capyctl.errors import SystemdError
 
 from ._dbus import (MANAGER_IFACE, MANAGER_PATH, PROPERTIES_IFACE, SERVICE_IFACE, SYSTEMD,
                     UNIT_IFACE, Manager, Service, Unit, add_match, remove_match, unwrap)
-from ._units import GATE_NAME, GATE_SCRIPT, TransientUnit, markers_from_environment, unit_object_path
+from . import _gate
+from ._units import TransientUnit, markers_from_environment, unit_object_path
 
 _UNSET = 2**64 - 1  # systemd's "infinity" / "not set" for uint64 properties
 _BUSY_STATES = frozenset({"active", "activating", "reloading", "deactivating"})
@@ -414,50 +413,31 @@ class SystemdClient:
         return state
 
     async def open_gate(self, name: str, settle: float = 1.0) -> bool:
-        """Continue a unit started with ``gated=True`` (its shell stopped at GATE_SCRIPT's gate):
+        """Continue a unit started with ``gated=True`` (an armed unit, held at its gate: _gate.py):
         True once its main process was sent SIGCONT, False when it is not waiting there (not
         active, gone, its command already running, or this systemd's processes not visible here).
 
-        The process is pinned with a pidfd and checked to be the unit's own gate shell (its cgroup
-        and its $0) before the signal, so a reused pid is never signalled. A unit started a moment
-        ago may not have reached its gate yet: it gets ``settle`` seconds to. Only for the systemd
+        A unit started a moment ago gets ``settle`` seconds to reach its gate. Only for the systemd
         of this machine and pid namespace (the daemon's own host): the pid is looked up here.
         """
         state = await self.unit_state(name)
-        if state is None or state.active_state != "active" or not state.main_pid or not state.control_group \
-                or self._fs_root != Path("/"):
+        if state is None or state.active_state != "active" or self._fs_root != Path("/"):
             return False
-        try:
-            pidfd = os.pidfd_open(state.main_pid)
-        except OSError:
-            return False
-        try:
-            proc = Path(f"/proc/{state.main_pid}")
-            try:
-                cgroup = (proc / "cgroup").read_text()
-                argv = (proc / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                return False
-            at_gate = len(argv) > 3 and argv[3] == GATE_NAME.encode() and argv[2] == GATE_SCRIPT.encode()
-            if not at_gate or not any(line.endswith(":" + state.control_group) for line in cgroup.splitlines()):
-                return False
-            deadline = time.monotonic() + settle
-            while True:  # the gate shell from its exec (systemd's) until its kill -STOP
-                try:
-                    run_state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                except (OSError, IndexError):
-                    return False
-                if run_state == "T":
-                    break
-                if run_state not in ("R", "S", "D") or time.monotonic() > deadline:
-                    return False
-                await asyncio.sleep(0.002)
-            signal_module.pidfd_send_signal(pidfd, signal_module.SIGCONT)
-            return True
-        except ProcessLookupError:
-            return False
-        finally:
-            os.close(pidfd)
+        return await _gate.open_gate(state.main_pid, state.control_group, settle)
+
+    async def set_description(self, name: str, description: str) -> None:
+        """Change a loaded unit's Description while it runs (what ``systemctl status`` and
+        ``list-units`` show); ``unit_not_found`` when systemd has no such unit."""
+        # systemd's src/core/dbus-unit.c: bus_unit_set_properties() passes every property the unit
+        # type does not take itself to bus_unit_set_live_property(), whose "Description" branch
+        # calls unit_set_description() at any time during the unit's life, not only while a
+        # transient unit is created (bus_unit_set_transient_property()). So in the source of
+        # systemd 239 and of 252, the version of this project's machines and test sandbox. Of a
+        # transient unit the setting is a drop-in in the transient directory (src/core/unit.c,
+        # unit_drop_in_dir()), removed with the unit: a later unit of the same name starts with
+        # its own Description. A name systemd has no unit of is refused with NoSuchUnit
+        # (src/core/dbus-manager.c, method_set_unit_properties() -> bus_unit_validate_load_state()).
+        await self.manager.set_unit_properties(name, True, [("Description", Variant("s", description))])
 
     async def stop_unit(self, name: str, timeout: float = 30.0) -> UnitState | None:
         """Stop the unit and return once it has no processes left.

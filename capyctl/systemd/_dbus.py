@@ -119,6 +119,11 @@ class Manager(_Interface):
     async def reset_failed_unit(self, name: str) -> None:
         await self._call("ResetFailedUnit", "s", [name], what=name)
 
+    async def set_unit_properties(self, name: str, runtime: bool,
+                                  properties: list[tuple[str, Variant]]) -> None:
+        await self._call("SetUnitProperties", "sba(sv)", [name, runtime, [list(p) for p in properties]],
+                         what=name)
+
     async def list_units_by_patterns(self, states: list[str], patterns: list[str]) -> list[list[Any]]:
         (units,) = await self._call("ListUnitsByPatterns", "asas", [states, patterns])
         return units

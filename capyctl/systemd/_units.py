@@ -12,6 +12,9 @@ from dbus_fast import Variant
 from capyctl.config import SLICE
 from capyctl.errors import SystemdError
 
+# The gate shell a gated unit execs first (TransientUnit.gated; what an armed unit is: _gate.py).
+from ._gate import GATE_NAME, GATE_SCRIPT
+
 MARKER_PREFIX = "CAPYCTL_MARKER_"
 _MARKER_KEY = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -33,15 +36,6 @@ _CREDENTIAL_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,200}$")
 _MS_REC = 16384
 # The shell that exports credentials as environment variables (credential_environment).
 CREDENTIAL_SHELL = "/bin/sh"
-# A unit started at its gate (TransientUnit.gated): systemd builds the whole sandbox (namespaces,
-# mounts, credentials, seccomp: most of a start's time, benchmarks/wake_vs_manual.py) and execs
-# this shell, which stops itself before it execs the command; SystemdClient.open_gate continues
-# it. ``kill`` is the shell's builtin and $$ its own pid, the unit's main pid, which the command
-# keeps (exec), so Type=exec, signals and the unit's stop reach the engine as they would
-# without the gate. A stop while it waits: systemd sends SIGTERM, then SIGCONT (systemd.kill(5)),
-# so the pending SIGTERM ends the shell before it execs anything.
-GATE_SCRIPT = 'kill -STOP $$ && exec "$@"'
-GATE_NAME = "capyctl-gate"  # the shell's $0: what open_gate checks the stopped process is
 
 
 @dataclass
@@ -111,7 +105,8 @@ class TransientUnit:
     cache_directory: str | None = None
     # KillMode=mixed: SIGTERM to the main process, SIGKILL to stragglers after the timeout.
     stop_timeout: float = 30.0
-    # Start the unit held at its gate (GATE_SCRIPT): sandboxed, its command not yet run.
+    # Start the unit held at its gate (_gate.GATE_SCRIPT): sandboxed, its command not yet run;
+    # SystemdClient.open_gate continues it.
     gated: bool = False
 
     def validate(self) -> None:

@@ -193,7 +193,7 @@ class CapyHost:
 
     def armed_at_gate(self, unit: str) -> bool:
         """Whether the unit is active with nothing in it but its gate shell, stopped before its
-        engine (a park by stopping that armed the next launch: capyctl/systemd/_units.py GATE_SCRIPT)."""
+        engine (a park by stopping that armed the next launch: capyctl/systemd/_gate.py GATE_SCRIPT)."""
         from capyctl.systemd._units import GATE_NAME
         if self.unit_property(unit, "ActiveState") != "active":
             return False

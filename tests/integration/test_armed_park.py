@@ -1,5 +1,5 @@
 """A park by stopping arms the next launch: its unit is started at once, sandboxed and held at its
-gate (capyctl/systemd/_units.py GATE_SCRIPT), and the wake only opens the gate. What must hold:
+gate (capyctl/systemd/_gate.py GATE_SCRIPT), and the wake only opens the gate. What must hold:
 the engine is really gone while parked; a gate that is gone, a stop, or a daemon restart never
 leaves a wake stuck or an engine running; CAPYCTL_ARM_PARKED=0 parks as before. Real systemd,
 real llama-server, the official openai client."""

@@ -201,6 +201,39 @@ async def test_list_units_finds_units_with_markers(sandbox: Sandbox) -> None:
         await client.close()
 
 
+async def test_set_description_changes_a_running_units_description(sandbox: Sandbox) -> None:
+    """SetUnitProperties(Description) on a live transient unit: systemctl show and list-units read
+    the new text, the unit keeps running; the setting leaves with the unit; no unit, unit_not_found."""
+    client = await connect(sandbox)
+    name = "capyctl-described.service"
+    try:
+        started = await client.start_transient(TransientUnit(
+            name=name, description="CapyCTL deployment described (rev 1, custom)", argv=["/bin/sleep", "300"]))
+        text = "CapyCTL deployment described (rev 1, custom): parked, 100% armed"  # % is no specifier here
+        await client.set_description(name, text)
+
+        assert sandbox.systemctl("show", name, "-p", "Description").stdout.strip() == f"Description={text}"
+        listed = sandbox.systemctl("list-units", "--all", "--plain", "--no-legend", "--full", name).stdout
+        assert text in listed and name in listed, listed
+        state = await client.unit_state(name)
+        assert state is not None and state.description == text
+        assert state.active_state == "active" and state.main_pid == started.main_pid  # not restarted
+
+        # Of a transient unit the drop-in goes with it: the next unit of that name has its own text.
+        await client.stop_unit(name, timeout=10)
+        await client.start_transient(TransientUnit(
+            name=name, description="CapyCTL deployment described (rev 2, custom)", argv=["/bin/sleep", "300"]))
+        assert sandbox.systemctl("show", name, "-p", "Description").stdout.strip() == \
+            "Description=CapyCTL deployment described (rev 2, custom)"
+
+        with pytest.raises(SystemdError) as missing:
+            await client.set_description("capyctl-nosuchunit.service", "nothing")
+        assert missing.value.code == "unit_not_found", missing.value.detail
+        await client.stop_unit(name, timeout=10)
+    finally:
+        await client.close()
+
+
 async def test_start_refuses_running_unit_and_resets_failed_leftover(sandbox: Sandbox) -> None:
     client = await connect(sandbox)
     name = "capyctl-again.service"
