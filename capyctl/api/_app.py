@@ -273,13 +273,13 @@ async def revoke_key(request: web.Request) -> web.Response:
 
 async def _local_host_row(ctl: Controller) -> dict:
     ctl.hosts.set_local_info(await ctl.hosts.local_inventory())
-    return ctl.describe_host("local")
+    return ctl.cordons.describe_host("local")
 
 
 async def list_hosts(request: web.Request) -> web.Response:
     ctl = request.app[CONTROLLER]
     rows = [await _local_host_row(ctl)]
-    rows += [ctl.describe_host(name) for name in sorted(ctl.hosts.entries) if name != "local"]
+    rows += [ctl.cordons.describe_host(name) for name in sorted(ctl.hosts.entries) if name != "local"]
     return web.json_response(rows)
 
 
@@ -288,7 +288,7 @@ async def get_host(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if name == "local":
         return web.json_response(await _local_host_row(ctl))
-    return web.json_response(ctl.describe_host(name))
+    return web.json_response(ctl.cordons.describe_host(name))
 
 
 async def add_host(request: web.Request) -> web.Response:
@@ -309,13 +309,13 @@ async def add_host(request: web.Request) -> web.Response:
     if unified is not None and not isinstance(unified, bool):
         raise InvalidRequest(f"unified_memory must be true or false, not {unified!r}", code="invalid_unified_memory")
     options["unified_memory"] = unified
-    row = await request.app[CONTROLLER].add_host(name, target, port=port, **options)
+    row = await request.app[CONTROLLER].cordons.add_host(name, target, port=port, **options)
     return web.json_response(row, status=201)
 
 
 async def remove_host(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    await request.app[CONTROLLER].remove_host(name)
+    await request.app[CONTROLLER].cordons.remove_host(name)
     return web.json_response({"name": name, "removed": True})
 
 
@@ -331,14 +331,14 @@ async def drain_host(request: web.Request) -> web.Response:
     ctl.hosts.get(name)  # an unknown host is a 404
 
     async def act() -> dict:
-        return await ctl.drain(name)
+        return await ctl.cordons.drain(name)
     task, _ = await _once(request, act)
     return web.json_response(await asyncio.shield(task))
 
 
 async def uncordon_host(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    opened = request.app[CONTROLLER].uncordon(name)
+    opened = request.app[CONTROLLER].cordons.uncordon(name)
     return web.json_response({"host": name, "cordoned": False, "was_cordoned": opened})
 
 
@@ -347,7 +347,7 @@ async def inspect_host(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     if name == "local":
         await _local_host_row(ctl)  # measures the inventory now
-    return web.json_response(ctl.inspect_host(name))
+    return web.json_response(ctl.cordons.inspect_host(name))
 
 
 # -- usage and the operator key -----------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The controller: owns every deployment's actor, implements the proxy's Router, reconciles
-with systemd after a restart, makes room for a wake, and parks idle deployments."""
+with systemd after a restart, makes room for a wake, and parks idle deployments. Engine secrets,
+ports, host cordons and the /metrics figures are kept by its services (_secrets.py, _ports.py,
+_cordons.py, _metrics.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +10,14 @@ import dataclasses
 import logging
 import os
 import shutil
-import socket
 import time
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
 from ..config import DaemonConfig, deployment_from_unit
-from ..errors import CapyError, Conflict, NotFound, Unavailable
+from ..errors import CapyError, Conflict, NotFound
 from ..proxy.connector import EngineConnector
 from ..proxy.router import DurationCounts, MemoryGauge, ModelEntry, Upstream
 from ..scheduler import NoRoom
@@ -29,8 +29,12 @@ from ._hosts import LOCAL, HostRegistry
 from . import _parking as parking
 from ._memory import MemoryPlanner, refresh_gpus, wait_released
 from ._turns import RoomWaitTimeout, Turns, WakeCancelled, wait_for_beat
-from ._parking import park_stats
 from ._memory import measure as measure_memory
+from ._cordons import Cordons
+from ._metrics import DeploymentMetrics
+from ._ports import PortLeases
+from ._secrets import EngineSecrets
+from ._usage import UsageView
 
 log = logging.getLogger("capyctl.controller")
 
@@ -54,27 +58,22 @@ class Controller:
                                   on_offline=self._host_offline, on_online=self._host_online,
                                   on_resources=self._host_resources)
         self._placement_lock = asyncio.Lock()
-        self._ports: dict[str, tuple[str, int]] = {}  # deployment -> (host, engine port there)
-        # host -> whether systemd-creds encrypts credentials there (None: not tried yet)
-        self._sealing: dict[str, bool] = {}
+        self.ports = PortLeases(self.hosts)  # engines' loopback ports (_ports.py)
+        self.secrets = EngineSecrets(self.paths, self.hosts)  # engine keys and secret files (_secrets.py)
         self._idle_task: asyncio.Task | None = None
         self._listeners: list[Callable[[DeploymentActor], None]] = []
         self._measuring: set[asyncio.Task] = set()
-        # Hosts closed to new placements (capyctl drain host), host -> since; the store keeps them
-        # across restarts, this copy keeps a request's admission free of SQLite.
-        self.cordoned: dict[str, float] = store.cordons()
-        # For /metrics: parks (or stops) to make room, per victim; wake durations per deployment.
-        self.evictions: dict[str, int] = {}
-        self._wake_started: dict[str, float] = {}
-        self._wake_durations: dict[str, DurationCounts] = {}
-        self._usage: Any = None
+        # Hosts closed to new placements (capyctl drain host), where a deployment may start, and
+        # the host operations that must see both (_cordons.py).
+        self.cordons = Cordons(config, store, self.hosts, lambda: self.actors)
+        # For /metrics: evictions, wake durations, memory gauges (_metrics.py).
+        self.metrics = DeploymentMetrics(lambda: self.actors, lambda: UsageView(self))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Load deployments from the store and adopt the units a previous daemon left running."""
-        self.paths.secrets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.paths.secrets_dir, 0o700)
+        self.secrets.make_dir()
         # No pool limit: 200 concurrent streams must not queue inside the client.
         self.http = aiohttp.ClientSession(connector=EngineConnector(limit=0, resolve=self._engine_socket),
                                           timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
@@ -143,7 +142,7 @@ class Controller:
         if self.http:
             await self.http.close()
 
-    # -- engines, models, ports, secrets ------------------------------------------------------------
+    # -- engines and models ------------------------------------------------------------------------
 
     def _engine_socket(self, label: str) -> str | None:
         """The unix socket of the engine a connection label (``<launch>.<deployment>.engine``) names."""
@@ -206,146 +205,6 @@ class Controller:
             return (self.hosts.get(host).info or {}).get("cpu_count") or None
         return os.cpu_count()
 
-    async def lease_port(self, name: str, host: str = LOCAL) -> int:
-        """A loopback port for the engine on ``host`` (asked of the host itself when remote)."""
-        if name in self._ports and self._ports[name][0] == host:
-            return self._ports[name][1]
-        used = {port for h, port in self._ports.values() if h == host}
-        if host != LOCAL:
-            port = await self.hosts.free_port(host, used)
-            self._ports[name] = (host, port)
-            return port
-        for _ in range(100):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            if port not in used:
-                self._ports[name] = (host, port)
-                return port
-        raise CapyError("no free loopback port for the engine", code="no_port")
-
-    def claim_port(self, name: str, port: int | None, host: str = LOCAL) -> None:
-        if port:
-            self._ports[name] = (host, port)
-
-    def release_port(self, name: str) -> None:
-        self._ports.pop(name, None)
-
-    def _secret_path(self, name: str) -> Path:
-        """The key file a unit loads as its KEY_CREDENTIAL (LoadCredential= reads it as root)."""
-        return self.paths.secrets_dir / f"{name}.key"
-
-    def _legacy_env_path(self, name: str) -> Path:
-        # Before engine keys were credentials: an EnvironmentFile= with CAPYCTL_ENGINE_KEY=<key>.
-        # Still read when adopting a unit an earlier version started, and removed with the key.
-        return self.paths.secrets_dir / f"{name}.env"
-
-    async def write_secret_key_on(self, host: str, name: str, key: str) -> Path:
-        """The 0600 file with the per-launch key, on the host the unit runs on; the unit loads it
-        as a credential, so the key is in no environment file, property or argv."""
-        path = self._secret_path(name)
-        if host == LOCAL:
-            _write_private(path, key + "\n")
-        else:
-            await self.hosts.write_private_file(host, path, (key + "\n").encode())
-        return path
-
-    def _sealed_path(self, stem: str) -> Path:
-        # A credential encrypted by systemd-creds (LoadCredentialEncrypted=); see launch_credentials_on.
-        return self.paths.secrets_dir / f"{stem}.cred"
-
-    async def launch_credentials_on(self, host: str, key_file: str, key: str,
-                                    files: dict[str, str]) -> tuple[dict[str, str], frozenset[str]]:
-        """Write one launch's credentials on the host its unit runs on: the per-launch key (the
-        credential KEY_CREDENTIAL, file ``key_file``) and each of ``files`` (LaunchPlan.secret_files:
-        credential name -> text). Each is encrypted with ``systemd-creds encrypt`` where the host
-        has it (its host key, and its TPM2 where present), so no secret lies in the clear on disk;
-        elsewhere it is a 0600 file in the 0700 secrets directory. Returns the credentials for
-        TransientUnit (name -> file) and the names that are encrypted."""
-        from ..engines import KEY_CREDENTIAL
-        wanted = {KEY_CREDENTIAL: (key_file, (key + "\n").encode()),
-                  **{name: (name, text.encode()) for name, text in files.items()}}
-        credentials: dict[str, str] = {}
-        sealed: set[str] = set()
-        for credential, (stem, content) in wanted.items():
-            path = self._sealed_path(stem)
-            if await self._seal_on(host, credential, path, content):
-                credentials[credential] = str(path)
-                sealed.add(credential)
-                # A clear copy from an earlier launch (or version) must not outlive this one.
-                await self._remove_files_on(host, [self._secret_path(stem) if stem == key_file
-                                                   else self.secret_file_path(stem)])
-                continue
-            if stem == key_file:
-                credentials[credential] = str(await self.write_secret_key_on(host, key_file, key))
-            else:
-                await self.write_secret_files_on(host, {stem: content.decode()})
-                credentials[credential] = str(self.secret_file_path(stem))
-        return credentials, frozenset(sealed)
-
-    async def _seal_on(self, host: str, credential: str, path: Path, content: bytes) -> bool:
-        """``systemd-creds encrypt`` of ``content`` into ``path`` on ``host``; False where the host
-        cannot (no systemd-creds, systemd older than 250, no writable host key), remembered so the
-        next launch does not try again."""
-        if self._sealing.get(host) is False:
-            return False
-        if host == LOCAL:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        argv = ["systemd-creds", "encrypt", f"--name={credential}", "-", str(path)]
-        try:
-            rc, _, err = await self.hosts.run(host, argv, input=content)
-        except (OSError, CapyError) as exc:  # FileNotFoundError: no systemd-creds on this machine
-            rc, err = 1, str(exc).encode()
-        if rc == 0 and host == LOCAL:
-            path.chmod(0o600)
-        elif rc == 0:
-            rc, _, err = await self.hosts.run(host, ["chmod", "0600", str(path)])
-        if rc != 0:
-            if self._sealing.get(host) is None:
-                log.warning("engine keys on host %s are 0600 files, not encrypted credentials: systemd-creds "
-                            "encrypt failed: %s", host, err.decode(errors="replace").strip()[:300])
-            self._sealing[host] = False
-            return False
-        self._sealing[host] = True
-        return True
-
-    async def _remove_files_on(self, host: str, paths: list[Path]) -> None:
-        if host == LOCAL:
-            for path in paths:
-                path.unlink(missing_ok=True)
-        elif self.hosts.entries.get(host) is not None:
-            try:
-                await self.hosts.run(host, ["rm", "-f", *map(str, paths)])
-            except CapyError as exc:
-                log.warning("could not remove %s on %s: %s", ", ".join(map(str, paths)), host, exc)
-
-    async def _unseal_on(self, host: str, credential: str, path: Path) -> str | None:
-        """The text of an encrypted credential this daemon wrote (adoption after a restart)."""
-        try:
-            rc, out, _ = await self.hosts.run(host, ["systemd-creds", "decrypt", f"--name={credential}",
-                                                     str(path), "-"])
-        except (OSError, CapyError):
-            return None
-        return out.decode().strip() or None if rc == 0 else None
-
-    async def read_secret_key_on(self, host: str, name: str) -> str | None:
-        from ..engines import KEY_CREDENTIAL
-        sealed = self._sealed_path(name)
-        if host != LOCAL or sealed.exists():
-            key = await self._unseal_on(host, KEY_CREDENTIAL, sealed)
-            if key is not None:
-                return key
-        if host == LOCAL:
-            return self.read_secret_key(name)
-        text = await self.hosts.read_file(host, self._secret_path(name))
-        if text is not None:
-            return text.strip() or None
-        return _key_of_env_file(await self.hosts.read_file(host, self._legacy_env_path(name)))
-
-    def secret_file_path(self, name: str) -> Path:
-        """Where a LaunchPlan.secret_files file is written (the source of its credential)."""
-        return self.paths.secrets_dir / name
-
     async def engine_confinement(self, host: str, deployment: str, engine_path: str | None, model_path: str,
                                  devices: list[str]):
         """What the engine unit may see (controller/_confine.py), probed on its own host."""
@@ -370,37 +229,6 @@ class Controller:
                                 f"{err.decode(errors='replace').strip()}", code="model_unreadable", status=500)
         return confined
 
-    async def write_secret_files_on(self, host: str, files: dict[str, str]) -> None:
-        """An engine's secret files (SGLang's --config with its key), 0600, on the unit's host."""
-        for name, text in files.items():
-            path = self.secret_file_path(name)
-            if host == LOCAL:
-                _write_private(path, text)
-            else:
-                await self.hosts.write_private_file(host, path, text.encode())
-
-    async def remove_secret_files_on(self, host: str, names: list[str]) -> None:
-        """A launch's secret files, clear or encrypted, on the host its unit ran on."""
-        if names:
-            await self._remove_files_on(host, [p for n in names for p in (self.secret_file_path(n),
-                                                                          self._sealed_path(n))])
-
-    def read_secret_key(self, name: str) -> str | None:
-        try:
-            return self._secret_path(name).read_text().strip() or None
-        except FileNotFoundError:
-            pass
-        try:
-            return _key_of_env_file(self._legacy_env_path(name).read_text())
-        except FileNotFoundError:
-            return None
-
-    async def remove_secret_key_on(self, host: str, name: str) -> None:
-        """The launch's key file (clear, encrypted or a legacy environment file), on the host its
-        unit ran on (an offline host keeps it)."""
-        await self._remove_files_on(host, [self._secret_path(name), self._legacy_env_path(name),
-                                           self._sealed_path(name)])
-
     async def journal(self, unit: str, lines: int, host: str = LOCAL) -> list[str]:
         if host != LOCAL:
             return await self.hosts.journal(host, unit, lines)
@@ -421,118 +249,6 @@ class Controller:
         """The SSH target a host was added with (``user@address[:port]``)."""
         return self.hosts.get(host).record.address
 
-    async def free_port_on(self, host: str) -> int:
-        return await self.hosts.free_port(host, set())
-
-    async def forward_port(self, host: str, remote_port: int) -> int:
-        return await self.hosts.forward_port(host, remote_port)
-
-    async def forward_socket(self, host: str, remote_path: str) -> str:
-        return await self.hosts.forward_socket(host, remote_path)
-
-    def has_forward(self, host: str, local: int | str | None) -> bool:
-        return self.hosts.has_forward(host, local)
-
-    async def cancel_forward(self, host: str, local: int | str) -> None:
-        await self.hosts.cancel_forward(host, local)
-
-    def placement_error(self, actor: DeploymentActor) -> CapyError | None:
-        """Why a request for ``actor`` cannot be served now because of its hosts, or None."""
-        placed = actor.state in RUNNING or actor.parked_in_place
-        if self.cordoned and actor.state not in RUNNING:
-            # Refused before a wake starts: a cordon is the operator's choice, not the deployment's failure.
-            try:
-                self.allowed_hosts(actor)
-            except CapyError as exc:
-                if exc.code == "host_cordoned":
-                    return exc
-        if placed:
-            entry = self.hosts.entries.get(actor.host)
-            if entry is not None and not entry.online:
-                return self.hosts.offline_error(actor.host, actor.name)
-            return None
-        wanted = actor.spec.hosts
-        if wanted and not any(h in self.hosts.entries and self.hosts.entries[h].online for h in wanted):
-            known = [h for h in wanted if h in self.hosts.entries]
-            if known:
-                return self.hosts.offline_error(known[0], actor.name)
-        return None
-
-    def allowed_hosts(self, actor: DeploymentActor) -> tuple[str, ...]:
-        """The online hosts ``actor`` may start on: its manifest's ``hosts``, else every online host."""
-        cordoned = self.cordoned
-        if actor.parked_in_place:
-            if actor.host in cordoned:
-                raise self._cordoned_error(actor, [actor.host])
-            return (actor.host,)
-        wanted = actor.spec.hosts or list(self.hosts.entries)
-        for name in wanted:
-            self.hosts.get(name)  # an unknown host is an error, not an offline one
-        if actor.spec.nodes > 1:
-            closed = [h for h in wanted[:actor.spec.nodes] if h in cordoned]
-        else:
-            closed = [h for h in wanted if h in cordoned]
-            wanted = [h for h in wanted if h not in cordoned]
-        if closed and (actor.spec.nodes > 1 or not wanted):
-            raise self._cordoned_error(actor, closed)
-        online = tuple(h for h in wanted if self.hosts.entries[h].online)
-        if not online:
-            raise self.hosts.offline_error(wanted[0], actor.name)
-        return online
-
-    # -- cordons and drains ------------------------------------------------------------------------
-
-    @staticmethod
-    def _cordoned_error(actor: DeploymentActor, closed: list[str]) -> CapyError:
-        many = len(closed) > 1
-        return Unavailable(f"deployment {actor.name!r} may only run on host{'s' if many else ''} "
-                           f"{', '.join(closed)}, which {'are' if many else 'is'} drained; "
-                           f"'capyctl uncordon host {closed[0]}' opens it again", code="host_cordoned")
-
-    def cordon(self, host: str) -> None:
-        """Close ``host`` to new placements (kept in the store: a restart keeps it closed)."""
-        self.hosts.get(host)  # an unknown host is a 404
-        self.store.cordon(host)
-        self.cordoned = self.store.cordons()
-        log.info("host %s cordoned: no new placement lands there", host)
-
-    def uncordon(self, host: str) -> bool:
-        self.hosts.get(host)
-        opened = self.store.uncordon(host)
-        self.cordoned = self.store.cordons()
-        if opened:
-            log.info("host %s uncordoned: it takes placements again", host)
-        return opened
-
-    async def drain(self, host: str) -> dict:
-        """Cordon ``host``, then park every deployment placed there out of place (its memory is
-        released there and a wake does not land there again); one that may run elsewhere and
-        was serving is woken on another host (moved)."""
-        self.cordon(host)
-        results = []
-        for name in self.describe_host(host)["deployments"]:
-            actor = self.actors.get(name)
-            if actor is None:
-                continue
-            was_serving = actor.state in RUNNING
-            row: dict[str, Any] = {"name": name, "action": "parked", "error": None}
-            try:
-                # Out of place: weights kept in this host's RAM would bring the next wake back here.
-                await actor.submit(Command.PARK, in_place_ok=False, reason=f"host {host} drained")
-                if was_serving and actor.spec.nodes == 1 and actor.spec.park != "never":
-                    try:
-                        others = self.allowed_hosts(actor)
-                    except CapyError:
-                        others = ()
-                    if others:
-                        await actor.submit(Command.WAKE)
-                        row["action"] = "moved"
-            except CapyError as exc:
-                row["error"] = exc.to_dict()
-            results.append(row | {"state": actor.state, "host": actor.host})
-        return {"host": host, "cordoned": True, "deployments": results,
-                "drained": all(r["error"] is None for r in results)}
-
     async def _host_offline(self, host: str) -> None:
         for actor in self.actors.values():
             if actor.host == host:
@@ -548,34 +264,49 @@ class Controller:
             entry.state = state
             raise
 
-    async def add_host(self, name: str, target: str, **options: Any) -> dict:
-        await self.hosts.add(name, target, **options)
-        return self.describe_host(name)
+    # -- what a deployment's actor asks of the controller; see _services.DeploymentServices --------
+    # Delegations to the services that do the work (and to the host registry, for forwards): the
+    # actor, _members.py and _liveness.py call these on their controller.
 
-    async def remove_host(self, name: str) -> None:
-        users = [a.name for a in self.actors.values()
-                 if a.host == name and (a.state in RUNNING or a.parked_in_place)]
-        if users:
-            raise Conflict(f"host {name!r} runs deployments {', '.join(sorted(users))}; stop them first",
-                           code="host_in_use")
-        pinned = [a.name for a in self.actors.values() if name in a.spec.hosts]
-        if pinned:
-            raise Conflict(f"deployments {', '.join(sorted(pinned))} name host {name!r} in their manifest; "
-                           "delete them or deploy them elsewhere first", code="host_in_use")
-        await self.hosts.remove(name)
-        self.store.uncordon(name)
-        self.cordoned = self.store.cordons()
+    async def lease_port(self, name: str, host: str = LOCAL) -> int:
+        return await self.ports.lease(name, host)
 
-    def describe_host(self, name: str) -> dict:
-        row = self.hosts.describe(name)
-        row["engines"] = sorted({e.type for e in self.store.list_engines()})
-        row["deployments"] = sorted(a.name for a in self.actors.values()
-                                    if a.host == name and (a.state in RUNNING or a.parked_in_place))
-        cordoned_at = self.cordoned.get(name)
-        row["cordoned"] = cordoned_at is not None
-        row["cordoned_at"] = cordoned_at
-        row["dev_controls"] = self.config.dev_controls(name)
-        return row
+    def claim_port(self, name: str, port: int | None, host: str = LOCAL) -> None:
+        self.ports.claim(name, port, host)
+
+    def release_port(self, name: str) -> None:
+        self.ports.release(name)
+
+    async def free_port_on(self, host: str) -> int:
+        return await self.ports.free_port_on(host)
+
+    async def forward_port(self, host: str, remote_port: int) -> int:
+        return await self.hosts.forward_port(host, remote_port)
+
+    async def forward_socket(self, host: str, remote_path: str) -> str:
+        return await self.hosts.forward_socket(host, remote_path)
+
+    def has_forward(self, host: str, local: int | str | None) -> bool:
+        return self.hosts.has_forward(host, local)
+
+    async def cancel_forward(self, host: str, local: int | str) -> None:
+        await self.hosts.cancel_forward(host, local)
+
+    async def launch_credentials_on(self, host: str, key_file: str, key: str,
+                                    files: dict[str, str]) -> tuple[dict[str, str], frozenset[str]]:
+        return await self.secrets.launch_credentials_on(host, key_file, key, files)
+
+    async def read_secret_key_on(self, host: str, name: str) -> str | None:
+        return await self.secrets.read_secret_key_on(host, name)
+
+    async def remove_secret_key_on(self, host: str, name: str) -> None:
+        await self.secrets.remove_secret_key_on(host, name)
+
+    async def remove_secret_files_on(self, host: str, names: list[str]) -> None:
+        await self.secrets.remove_secret_files_on(host, names)
+
+    def placement_error(self, actor: DeploymentActor) -> CapyError | None:
+        return self.cordons.placement_error(actor)
 
     # -- making room --------------------------------------------------------------------------------
 
@@ -631,7 +362,7 @@ class Controller:
         The lock is held from the evictions to the charge, so the room they free is not taken by
         another wake (the victims' own, say) in between."""
         while True:
-            hosts = self.allowed_hosts(actor)
+            hosts = self.cordons.allowed_hosts(actor)
             # GPU memory of stopped deployments counts until NVML shows it free (_memory.py).
             gpu_hosts = tuple(actor.spec.hosts[:actor.spec.nodes]) if actor.spec.nodes > 1 else hosts
             await refresh_gpus(self, gpu_hosts)
@@ -657,7 +388,7 @@ class Controller:
                         victim.submit(Command.PARK, evicting=True, in_place_ok=action == "park",
                                       reason=f"made room for {actor.name}"),
                         timeout=victim.spec.timeouts.park + victim.spec.timeouts.stop + 5)
-                    self.evictions[victim.name] = self.evictions.get(victim.name, 0) + 1
+                    self.metrics.evicted(victim.name)
             except Busy:
                 pass  # a victim got a request meanwhile: plan again
 
@@ -677,12 +408,7 @@ class Controller:
     def on_state_change(self, actor: DeploymentActor) -> None:
         self.memory.observe(actor)
         self.turns.changed()
-        if actor.state in (DeploymentState.STARTING, DeploymentState.WAKING):
-            self._wake_started.setdefault(actor.name, time.monotonic())
-        elif actor.name in self._wake_started:
-            started = self._wake_started.pop(actor.name)
-            if actor.state == DeploymentState.READY:  # a failed wake is not a duration of a wake
-                self._wake_durations.setdefault(actor.name, DurationCounts()).observe(time.monotonic() - started)
+        self.metrics.state_changed(actor)
         if actor.state == DeploymentState.READY:
             # Charges estimated from the model are corrected by what the engine really uses.
             task = asyncio.create_task(self._measure(actor), name=f"measure:{actor.name}")
@@ -807,32 +533,13 @@ class Controller:
             actor.release()
 
     def stats(self) -> dict[str, dict[str, float]]:
-        return {a.name: {"queue_depth": a.waiting, "in_flight": a.in_flight, "wakes": a.wakes, "parks": a.parks,
-                         "evictions": self.evictions.get(a.name, 0),
-                         "ready": 1.0 if a.state == DeploymentState.READY else 0.0, **park_stats(a.park_record)}
-                for a in self.actors.values()}
+        return self.metrics.stats()
 
     def wake_durations(self) -> dict[str, DurationCounts]:
-        return {name: counts for name, counts in self._wake_durations.items() if name in self.actors}
+        return self.metrics.wake_durations()
 
     async def memory_gauges(self) -> list[MemoryGauge]:
-        from ._usage import UsageView
-        if self._usage is None:
-            self._usage = UsageView(self)
-        try:
-            view = await self._usage.view()
-        except Exception:  # a scrape must not fail because one host could not be measured
-            log.warning("metrics: measuring memory failed", exc_info=True)
-            return []
-        held: dict[str, dict[str, int]] = {}
-        for dep in view["deployments"]:
-            for d in dep["domains"]:
-                if d["held"] is not None:
-                    held.setdefault(d["id"], {})[dep["name"]] = d["held"]
-        return [MemoryGauge(domain=d["id"], kind=d["kind"], host=host["host"], index=d["index"],
-                            capacity=d["capacity"], available=d["available"], reserved=d["reserved"],
-                            held=held.get(d["id"], {}))
-                for host in view["hosts"] for d in host["domains"]]
+        return await self.metrics.memory_gauges()
 
     @property
     def queue_total(self) -> int:
@@ -939,18 +646,9 @@ class Controller:
         info["idle_park_after"] = self.idle_park_after(actor)
         info["gpus"] = list(self.gpus_for(actor)) if actor.spec.nodes == 1 else None
         info["dev_controls"] = self.config.dev_controls(actor.host)
-        info["cordoned_host"] = actor.host in self.cordoned
+        info["cordoned_host"] = actor.host in self.cordons.cordoned
         info["launch_command"] = actor.launch_command
         return info
-
-    def inspect_host(self, name: str) -> dict:
-        row = self.describe_host(name)
-        entry = self.hosts.get(name)
-        row["inventory"] = entry.info
-        row["deployment_states"] = {d: self.actors[d].state for d in row["deployments"] if d in self.actors}
-        row["placeable"] = sorted(a.name for a in self.actors.values()
-                                  if not a.spec.hosts or name in a.spec.hosts)
-        return row
 
     async def describe(self, name: str) -> dict:
         actor = self.get(name)
@@ -968,23 +666,3 @@ class Controller:
             except Exception:
                 pass
         return info
-
-
-def _key_of_env_file(text: str | None) -> str | None:
-    for line in (text or "").splitlines():
-        key, _, value = line.partition("=")
-        if key == "CAPYCTL_ENGINE_KEY":
-            return value
-    return None
-
-
-def _write_private(path: Path, text: str) -> None:
-    """A 0600 file written whole or not at all (a temporary file renamed in place): a reader
-    such as systemd at exec time never sees half a key."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

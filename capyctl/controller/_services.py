@@ -5,7 +5,9 @@ direction only (``_controller`` -> ``_actor`` -> ``_members``/``_group``/``_live
 
 The actor reaches the host's systemd, ports, secrets, memory plan and the store through these
 methods alone, never through the controller's collaborators (its host registry, ledger or store),
-so a test can hand it any object that provides them.
+so a test can hand it any object that provides them. The controller answers the port, secret and
+placement ones by delegating to its services (``_ports``, ``_secrets``, ``_cordons``), which sit
+below it and import neither it nor the actor.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from capyctl.config import Paths
-from capyctl.controller._controller import Controller
+from capyctl.controller._secrets import EngineSecrets
 from capyctl.errors import SystemdError
 from capyctl.systemd._units import TransientUnit
 from tests.components import missing, require_root
@@ -56,37 +56,37 @@ class FakeHosts:
         raise AssertionError(argv)
 
 
-def controller(tmp_path: Path, creds_work: bool) -> Controller:
-    ctl = object.__new__(Controller)  # only what launch_credentials_on uses
-    ctl.paths = Paths(tmp_path / "state", tmp_path / "run")
-    ctl.hosts = FakeHosts(creds_work)
-    ctl._sealing = {}
-    ctl.paths.secrets_dir.mkdir(parents=True, mode=0o700)
-    return ctl
+def engine_secrets(tmp_path: Path, hosts) -> tuple[EngineSecrets, Path]:
+    """The engine secrets of a daemon whose host registry is ``hosts``, and its secrets directory."""
+    paths = Paths(tmp_path / "state", tmp_path / "run")
+    paths.secrets_dir.mkdir(parents=True, mode=0o700)
+    return EngineSecrets(paths, hosts), paths.secrets_dir
 
 
 async def test_keys_are_encrypted_where_systemd_creds_works(tmp_path: Path) -> None:
-    ctl = controller(tmp_path, creds_work=True)
-    stale = ctl.paths.secrets_dir / "smol.key"
+    hosts = FakeHosts(creds_work=True)
+    engine, secrets = engine_secrets(tmp_path, hosts)
+    stale = secrets / "smol.key"
     stale.write_text("old clear key\n")  # from a launch before encryption
-    credentials, sealed = await ctl.launch_credentials_on("local", "smol", "k3y", {"sglang-smol.yaml": "api_key: k3y"})
-    secrets = ctl.paths.secrets_dir
+    credentials, sealed = await engine.launch_credentials_on("local", "smol", "k3y",
+                                                             {"sglang-smol.yaml": "api_key: k3y"})
     assert credentials == {"engine-key": str(secrets / "smol.cred"), "sglang-smol.yaml": str(secrets / "sglang-smol.yaml.cred")}
     assert sealed == {"engine-key", "sglang-smol.yaml"}
     assert not stale.exists()  # no clear copy outlives the encrypted one
     assert all(b"k3y" not in Path(p).read_bytes() and Path(p).stat().st_mode & 0o777 == 0o600
                for p in credentials.values())
-    assert ["systemd-creds", "encrypt", "--name=engine-key", "-", str(secrets / "smol.cred")] in ctl.hosts.calls
+    assert ["systemd-creds", "encrypt", "--name=engine-key", "-", str(secrets / "smol.cred")] in hosts.calls
 
 
 async def test_keys_are_0600_files_where_it_does_not_and_that_is_tried_once(tmp_path: Path, caplog) -> None:
-    ctl = controller(tmp_path, creds_work=False)
+    hosts = FakeHosts(creds_work=False)
+    engine, secrets = engine_secrets(tmp_path, hosts)
     for name in ("a", "b"):
-        credentials, sealed = await ctl.launch_credentials_on("local", name, f"key-{name}", {})
+        credentials, sealed = await engine.launch_credentials_on("local", name, f"key-{name}", {})
         path = Path(credentials["engine-key"])
-        assert sealed == frozenset() and path == ctl.paths.secrets_dir / f"{name}.key"
+        assert sealed == frozenset() and path == secrets / f"{name}.key"
         assert path.read_text() == f"key-{name}\n" and path.stat().st_mode & 0o777 == 0o600
-    assert sum(call[0] == "systemd-creds" for call in ctl.hosts.calls) == 1
+    assert sum(call[0] == "systemd-creds" for call in hosts.calls) == 1
     assert sum("not encrypted credentials" in r.message for r in caplog.records) == 1
 
 
@@ -94,7 +94,6 @@ async def test_a_key_sealed_by_the_real_systemd_creds_is_read_back_for_adoption(
     if shutil.which("systemd-creds") is None:
         missing("needs systemd-creds (systemd 250 or newer; scripts/setup installs Debian's systemd)")
     require_root("(systemd-creds encrypts with the host key in /var/lib/systemd)")
-    ctl = controller(tmp_path, creds_work=True)
 
     async def run(host, argv, *, input=None, timeout=60.0):
         import asyncio
@@ -102,8 +101,8 @@ async def test_a_key_sealed_by_the_real_systemd_creds_is_read_back_for_adoption(
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await proc.communicate(input)
         return proc.returncode, out, err
-    ctl.hosts = SimpleNamespace(run=run, entries={})
-    credentials, sealed = await ctl.launch_credentials_on("local", "smol", "the-key", {})
+    engine, _ = engine_secrets(tmp_path, SimpleNamespace(run=run, entries={}))
+    credentials, sealed = await engine.launch_credentials_on("local", "smol", "the-key", {})
     assert sealed == {"engine-key"}
     assert b"the-key" not in Path(credentials["engine-key"]).read_bytes()
-    assert await ctl.read_secret_key_on("local", "smol") == "the-key"
+    assert await engine.read_secret_key_on("local", "smol") == "the-key"

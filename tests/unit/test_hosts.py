@@ -160,23 +160,23 @@ async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(cont
         await actor.admit()
     assert err.value.code == "host_offline" and "'m'" in err.value.message and "'b'" in err.value.message
     with pytest.raises(CapyError) as err:
-        controller.allowed_hosts(actor)
+        controller.cordons.allowed_hosts(actor)
     assert err.value.code == "host_offline"
 
     controller.hosts.entries["b"].state = ONLINE
     assert controller.placement_error(actor) is None
-    assert controller.allowed_hosts(actor) == ("b",)
+    assert controller.cordons.allowed_hosts(actor) == ("b",)
 
     # No hosts in the manifest: any online host; an unknown host in it is an error of its own.
     free = DeploymentSpec(name="f", engine="custom-x", model={"path": "/models/m.gguf"})
     actor_f = controller.actors["f"] = DeploymentActor(controller, controller.store.put_deployment(free)[0])
-    assert set(controller.allowed_hosts(actor_f)) == {LOCAL, "b"}
+    assert set(controller.cordons.allowed_hosts(actor_f)) == {LOCAL, "b"}
     controller.hosts.entries["b"].state = OFFLINE
-    assert controller.allowed_hosts(actor_f) == (LOCAL,)
+    assert controller.cordons.allowed_hosts(actor_f) == (LOCAL,)
     typo = DeploymentSpec(name="t", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["bb"])
     actor_t = controller.actors["t"] = DeploymentActor(controller, controller.store.put_deployment(typo)[0])
     with pytest.raises(CapyError) as err:
-        controller.allowed_hosts(actor_t)
+        controller.cordons.allowed_hosts(actor_t)
     assert err.value.code == "host_not_found"
 
 
@@ -186,10 +186,10 @@ async def test_remove_refused_while_a_manifest_names_the_host(controller: Contro
     from capyctl.controller import DeploymentActor
     controller.actors["m"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
     with pytest.raises(CapyError) as err:
-        await controller.remove_host("b")
+        await controller.cordons.remove_host("b")
     assert err.value.code == "host_in_use"
     with pytest.raises(CapyError) as err:
-        await controller.remove_host(LOCAL)
+        await controller.cordons.remove_host(LOCAL)
     assert err.value.code == "host_is_local"
 
 

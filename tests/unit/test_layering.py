@@ -47,6 +47,16 @@ def test_the_controller_package_has_no_import_cycle():
     graph = {p.stem: _imports(p) & {q.stem for q in PACKAGE.glob("*.py")} for p in PACKAGE.glob("*.py")}
     _assert_no_cycle(graph)
     assert "_controller" not in graph["_actor"] and "_actor" not in graph["_members"]
+    # The controller's services (secrets, ports, cordons, metrics) sit below it and beside the
+    # actor: neither is reached from them, even through another module.
+    for service in ("_secrets", "_ports", "_cordons", "_metrics"):
+        reached, todo = set(), [service]
+        while todo:
+            for target in graph[todo.pop()] - reached:
+                reached.add(target)
+                todo.append(target)
+        above = reached & {"_controller", "_actor"}
+        assert not above, f"{service} reaches {sorted(above)}"
 
 
 def test_the_engines_package_has_no_import_cycle():

@@ -1,0 +1,67 @@
+"""The controller's figures for /metrics: evictions and wake durations per deployment, each
+deployment's counters, and each memory domain's gauges (read through the usage view)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping
+
+from ..proxy.router import DurationCounts, MemoryGauge
+from ._lifecycle import DeploymentState
+from ._parking import park_stats
+
+log = logging.getLogger("capyctl.controller")
+
+
+class DeploymentMetrics:
+    """Counts what the controller does to deployments and reports it as the proxy's Router does."""
+
+    def __init__(self, actors: Callable[[], Mapping[str, Any]], usage_view: Callable[[], Any]) -> None:
+        self._actors = actors  # the deployments' actors by name, as they are now
+        self._usage_view = usage_view  # makes the UsageView (_usage.py), at the first scrape
+        self._usage: Any = None
+        self._evictions: dict[str, int] = {}  # parks (or stops) to make room, per victim
+        self._wake_started: dict[str, float] = {}
+        self._wake_durations: dict[str, DurationCounts] = {}
+
+    def evicted(self, name: str) -> None:
+        """Deployment ``name`` was parked (or stopped) to make room for another."""
+        self._evictions[name] = self._evictions.get(name, 0) + 1
+
+    def state_changed(self, actor: Any) -> None:
+        """Times each wake, from its start to READY."""
+        if actor.state in (DeploymentState.STARTING, DeploymentState.WAKING):
+            self._wake_started.setdefault(actor.name, time.monotonic())
+        elif actor.name in self._wake_started:
+            started = self._wake_started.pop(actor.name)
+            if actor.state == DeploymentState.READY:  # a failed wake is not a duration of a wake
+                self._wake_durations.setdefault(actor.name, DurationCounts()).observe(time.monotonic() - started)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        return {a.name: {"queue_depth": a.waiting, "in_flight": a.in_flight, "wakes": a.wakes, "parks": a.parks,
+                         "evictions": self._evictions.get(a.name, 0),
+                         "ready": 1.0 if a.state == DeploymentState.READY else 0.0, **park_stats(a.park_record)}
+                for a in self._actors().values()}
+
+    def wake_durations(self) -> dict[str, DurationCounts]:
+        actors = self._actors()
+        return {name: counts for name, counts in self._wake_durations.items() if name in actors}
+
+    async def memory_gauges(self) -> list[MemoryGauge]:
+        if self._usage is None:
+            self._usage = self._usage_view()
+        try:
+            view = await self._usage.view()
+        except Exception:  # a scrape must not fail because one host could not be measured
+            log.warning("metrics: measuring memory failed", exc_info=True)
+            return []
+        held: dict[str, dict[str, int]] = {}
+        for dep in view["deployments"]:
+            for d in dep["domains"]:
+                if d["held"] is not None:
+                    held.setdefault(d["id"], {})[dep["name"]] = d["held"]
+        return [MemoryGauge(domain=d["id"], kind=d["kind"], host=host["host"], index=d["index"],
+                            capacity=d["capacity"], available=d["available"], reserved=d["reserved"],
+                            held=held.get(d["id"], {}))
+                for host in view["hosts"] for d in host["domains"]]
