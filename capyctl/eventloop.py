@@ -1,9 +1,9 @@
 """The event loop CapyCTL's daemon runs on: uvloop where it is installed, asyncio's own otherwise.
 
-uvloop's transports and selector are C (libuv): the proxy's CPU per small request measured about
-40 % lower with it (730 -> 470 and 1077 -> 593 microseconds in two pairs of runs of
-benchmarks/proxy_hop.py on a 2-core VM). It is a dependency on the platforms it has wheels for;
-``CAPYCTL_EVENT_LOOP=asyncio`` forces the pure-Python loop (to compare, or where uvloop misbehaves).
+uvloop's transports and selector are C (libuv): the proxy's CPU per small request measured well
+lower with it (benchmarks/proxy_hop.py; docs/benchmarks.md, "Figures behind design choices").
+It is a dependency on the platforms it has wheels for; ``CAPYCTL_EVENT_LOOP=asyncio`` forces the
+pure-Python loop (to compare, or where uvloop misbehaves).
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ def run(main: Coroutine[object, object, T]) -> T:
 
 def freeze_startup_objects() -> None:
     """Once the daemon is wired and serving: collect, then move every object alive now (modules,
-    the app, pydantic schemas, some 50,000 of them) out of the cyclic collector's sight.
+    the app, pydantic schemas) out of the cyclic collector's sight.
 
-    They live as long as the process, yet every full collection walked them all: in
-    benchmarks/proxy_hop.py the proxy's full collections took 20-39 ms each, a pause some request
-    waits out, against 0.1-2 ms for the young generations; frozen, one took 0.04 ms. Objects made
-    later are collected as before; frozen ones are still freed by reference counting, only a
-    cycle among them would stay (gc.freeze's documentation).
+    They live as long as the process, yet every full collection walked them all: a pause far
+    longer than a young generation's, which some request waits out (benchmarks/proxy_hop.py;
+    docs/benchmarks.md, "Full collections"). Objects made later are collected as before; frozen
+    ones are still freed by reference counting, only a cycle among them would stay (gc.freeze's
+    documentation).
     """
     gc.collect()
     gc.freeze()

@@ -30,12 +30,9 @@ from dataclasses import dataclass
 from ._gguf import read_metadata, read_tensor_sizes
 
 # What llama-server holds on each card beyond its weights and KV cache: the CUDA context (with
-# cuBLAS and the kernels it loads) and llama.cpp's compute buffer. Measured by scripts/gpu-check
-# on an H200 (driver 580.159.04, CUDA 13) with a 1.7 GB llama-architecture model at -c 4096:
-# NVML showed the process 595 MiB beyond what llama-server's own memory breakdown accounts for
-# (common_memory_breakdown_print), and a compute buffer of 156-160 MiB, the same with a vocabulary
-# of 32,000 tokens and of 151,936 (whose output layer alone is 594 MiB), so 755 MiB; 512 MiB (the
-# figure before that measurement) let every -ngl plan overrun its budget by 110-170 MiB. The
+# cuBLAS and the kernels it loads) and llama.cpp's compute buffer. What scripts/gpu-check measured
+# on a GPU, rounded up: the figure before it let every -ngl plan overrun its budget
+# (docs/benchmarks.md, "Figures behind design choices"; docs/gpu-check.md, "Last run"). The
 # controller still measures the real use once the engine is ready and corrects the charge.
 GPU_OVERHEAD = 768 << 20
 KV_BYTES = 2  # F16 K and V cache entries (llama.cpp's default cache type)
@@ -109,8 +106,9 @@ def _shards(path: str) -> list[str]:
 def gguf_layout(path: str) -> GgufLayout | None:
     """The layout of a GGUF model, or None when the file is unreadable or lacks the keys.
 
-    Kept per file version: reading a header walks the whole tokenizer (160 ms for a vocabulary
-    of 152,000 tokens), and the planner and the launch both ask."""
+    Kept per file version: reading a header walks the whole tokenizer, slow for a large
+    vocabulary (docs/benchmarks.md, "Figures behind design choices"), and the planner and the
+    launch both ask."""
     try:
         stat = os.stat(path)
     except OSError:

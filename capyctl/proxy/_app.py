@@ -365,16 +365,17 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 # json.loads' own steps for a body that is plainly UTF-8 and an object (most are): its C scanner
-# straight away, without the encoding sniff and the decoder's two Python layers. Half the time
-# warm (1.2 against 2.4 µs); it ran 32 µs where the engine's work had left the caches cold.
+# straight away, without the encoding sniff and the decoder's two Python layers: less code on the
+# request's path, which runs cold where the engine's work has left the caches cold
+# (docs/benchmarks.md, "Figures behind design choices").
 _scan_json = json.decoder.JSONDecoder().scan_once
 _json_space = json.decoder.WHITESPACE.match
 
 
 def _loads(raw: bytes) -> Any:
-    """The request body's JSON. (orjson read a chat body in a quarter of the time, 0.8 against 3.0
-    µs, about 1% of the proxy's CPU per request, but its import alone is 0.9 MiB of the daemon's
-    64 MiB idle budget: benchmarks/daemon_scale.py read 63.6 MiB with it.)"""
+    """The request body's JSON. (orjson read a chat body faster, a small part of the proxy's CPU
+    per request, but its import alone took the daemon's idle RSS to the edge of its budget:
+    docs/benchmarks.md, "Figures behind design choices".)"""
     try:
         # A first byte "{" and a second not zero: json.detect_encoding's UTF-8 (not UTF-16/32, no BOM).
         if raw[:1] != b"{" or raw[1:2] == b"\x00":
@@ -753,8 +754,8 @@ async def _stored_response_route(request: web.Request) -> web.StreamResponse:
 
 
 async def _systemone_route(request: web.Request) -> web.StreamResponse:
-    # Imported on the first such request: its pydantic models are 1.3 MiB of the daemon's idle
-    # RSS, which most daemons never need (benchmarks/daemon_scale.py measures that RSS).
+    # Imported on the first such request: its pydantic models add to the daemon's idle RSS, and
+    # most daemons never need them (docs/benchmarks.md, "Figures behind design choices").
     from . import _systemone
     exchange = _exchange(request)
     grant = authorize(exchange)

@@ -1,12 +1,12 @@
 """The client side of the proxy's door: the listening socket's connections.
 
-aiohttp's web server costs about a hundred µs of CPU per request above a bare asyncio protocol on
-the small machines CapyCTL is measured on, more than the whole hop nginx adds
-(benchmarks/proxy_hop.py). So the proxy's listening socket is served by :class:`ClientConnection`,
-which answers the requests ``_client_heads.read_head`` accepts itself, by the same code as
-aiohttp's handlers (``_app.answer_json``, ``_app.GET_ROUTES``), and hands the connection, with
-every byte not yet answered, to aiohttp's RequestHandler at the first request it does not accept.
-``_client_heads`` is the one place that decides which.
+aiohttp's web server costs more CPU per request above a bare asyncio protocol, on the small
+machines CapyCTL is measured on, than the whole hop nginx adds (benchmarks/proxy_hop.py with the
+front off; docs/benchmarks.md, "Figures behind design choices"). So the proxy's listening socket
+is served by :class:`ClientConnection`, which answers the requests ``_client_heads.read_head``
+accepts itself, by the same code as aiohttp's handlers (``_app.answer_json``, ``_app.GET_ROUTES``),
+and hands the connection, with every byte not yet answered, to aiohttp's RequestHandler at the
+first request it does not accept. ``_client_heads`` is the one place that decides which.
 
 The split follows uvicorn's httptools protocol (uvicorn/protocols/http/httptools_impl.py):
 

@@ -134,9 +134,9 @@ class ProxyMetrics:
 
     def record(self, *, deployment: str, route: str, status: int, seconds: float) -> None:
         # Kept in a list and counted in batches (at a scrape, or every PENDING_MAX requests):
-        # counting one request through prometheus_client's locks and layers cost 46 µs of CPU on
-        # the request's own path where the engine's work had left the caches cold (llama-server
-        # on 2 cores, measured in the process); a batch runs that code warm, once.
+        # counting one request through prometheus_client's locks and layers was a large part of
+        # the request's own CPU where the engine's work had left the caches cold; a batch runs
+        # that code warm, once (docs/benchmarks.md, "Figures behind design choices").
         pending = self._pending
         pending.append((deployment, route, status, seconds))
         if len(pending) >= PENDING_MAX:

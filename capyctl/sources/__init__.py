@@ -16,8 +16,9 @@ from typing import Callable
 from ..spec import HubModel, PathModel
 from ._local import resolve_local, size_of
 
-# huggingface_hub (about 10 MiB of the daemon's memory, 250 modules) is imported by the first Hub
-# model, not by a daemon whose models are all paths on the host (benchmarks/daemon_scale.py).
+# huggingface_hub is imported by the first Hub model, not by a daemon whose models are all paths
+# on the host: it is a large share of the daemon's idle memory (docs/benchmarks.md, "Figures
+# behind design choices").
 
 # progress(stage, done_bytes, total_bytes or None); called from the event loop.
 ProgressCallback = Callable[[str, int, "int | None"], None]

@@ -53,7 +53,8 @@ class ManifestError(Exception):
 
 def _yaml():  # type: ignore[no-untyped-def]
     # Imported when there is YAML to read: a daemon without a configuration file never reads
-    # any (it gets manifests as JSON), and PyYAML is 0.8 MiB of its idle RSS (benchmarks/daemon_scale.py).
+    # any (it gets manifests as JSON), and PyYAML would be a share of its idle RSS for nothing
+    # (docs/benchmarks.md, "Figures behind design choices").
     import yaml
     return yaml
 
