@@ -202,7 +202,8 @@ async def probe_host(run: Runner, engine_path: str | None, model_path: str, devi
 
 def probe_local(engine_path: str | None, model_path: str, devices: list[str]) -> Probe:
     """What PROBE_SCRIPT finds, found in this process: on the daemon's own host the script's
-    dozen short processes (readlink, dirname, sed, stat) cost some 20 ms of every wake."""
+    dozen short processes (readlink, dirname, sed, stat) would be on every wake's path
+    (benchmarks/wake_vs_manual.py)."""
     probe = Probe()
     for path in (engine_path, model_path):
         if not path or not os.path.exists(path):

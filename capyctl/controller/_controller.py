@@ -23,7 +23,9 @@ from ..proxy.router import DurationCounts, MemoryGauge, ModelEntry, Upstream
 from ..scheduler import NoRoom
 from ..spec import DeploymentSpec, EngineSpec
 from ..store import Store
-from ._actor import Busy, DeploymentActor, Progress, no_progress
+from ._actor import DeploymentActor, Progress, no_progress
+from ._admission import Busy
+from ._launch import spec_capabilities
 from ._lifecycle import RUNNING, Command, DeploymentState
 from ._hosts import LOCAL, HostRegistry
 from . import _parking as parking
@@ -150,7 +152,7 @@ class Controller:
         actor = self.actors.get(rest.rpartition(".")[0])
         if actor is None or actor.launch_id != launch:
             return None
-        return actor.engine_socket()
+        return actor.engine_address()[1]
 
     def engine_for(self, spec: DeploymentSpec) -> EngineSpec:
         registered = self.store.get_engine(spec.engine)
@@ -317,7 +319,7 @@ class Controller:
         try:
             await self._make_room(actor, progress)
         finally:
-            self.turns.leave(actor.name, self.actors)
+            self.turns.leave(actor.name, {name: a.requests for name, a in self.actors.items()})
 
     async def _make_room(self, actor: DeploymentActor, progress: Progress) -> None:
         told = ""
@@ -328,7 +330,7 @@ class Controller:
                 if placed:
                     return
                 since = self.turns.join(actor.name)
-                closed = self.turns.yield_to(actor.name, yielders, actor)
+                closed = self.turns.yield_to(actor.name, [y.requests for y in yielders], actor.requests)
                 if closed:
                     log.info("deployment %s: waited %.1fs for room; %s finish what they have, then yield",
                              actor.name, time.monotonic() - since, ", ".join(closed))
@@ -521,16 +523,16 @@ class Controller:
             actor = self._lookup(model)
         except NotFound:
             return None  # acquire() raises model_not_found
-        return (actor.upstream(), actor.release) if actor.admit_now() else None
+        return (actor.upstream(), actor.requests.release) if actor.requests.admit_now() else None
 
     @asynccontextmanager
     async def acquire(self, model: str, progress: Callable[[str], None] | None = None) -> AsyncIterator[Upstream]:
         actor = self._lookup(model)
-        await actor.admit(progress)
+        await actor.requests.admit(progress)
         try:
             yield actor.upstream()
         finally:
-            actor.release()
+            actor.requests.release()
 
     def stats(self) -> dict[str, dict[str, float]]:
         return self.metrics.stats()
@@ -594,7 +596,7 @@ class Controller:
             if was_running:
                 await actor.submit(Command.STOP)
             actor.revision = revision
-            actor.capabilities = actor.spec_capabilities()
+            actor.capabilities = spec_capabilities(self, spec)
             if was_running:
                 activate = True
         else:
@@ -622,7 +624,7 @@ class Controller:
 
     async def delete(self, name: str) -> None:
         actor = self.get(name)
-        if actor.serving_clients:  # (the proof after a wake is drained by the delete's stop)
+        if actor.requests.serving_clients:  # (the proof after a wake is drained by the delete's stop)
             raise Conflict(f"deployment {name!r} has requests in flight; stop it first", code="deployment_busy")
         await actor.submit(Command.DELETE)
         self.actors.pop(name, None)

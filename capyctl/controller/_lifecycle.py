@@ -9,7 +9,10 @@ layer below and imports nothing from here); tests/unit/test_lifecycle.py keeps t
 
 from __future__ import annotations
 
+import asyncio
 import enum
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import CapyError
 
@@ -91,3 +94,12 @@ class Command(enum.StrEnum):
         """Whether a wake waiting for room should give way to it (DeploymentActor.redirected).
         Another wake only joins the one under way."""
         return self is not Command.WAKE
+
+
+@dataclass
+class QueuedCommand:
+    """A submitted command: its handler's arguments and the future its caller awaits."""
+
+    command: Command
+    future: asyncio.Future
+    args: dict[str, Any] = field(default_factory=dict)

@@ -11,14 +11,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from typing import Callable
 
 from ..engines._tiers import TIER_SLEEP_LEVEL
 from ..config import engine_credentials_dir
 from ..errors import CapyError
 from ._confine import engine_location
 from ._keys import new_engine_key
-from ._group import GroupMember, MemberLaunch
+from ._group import GroupFailed, GroupMember, MemberLaunch, ModelGroup
 from ._hosts import LOCAL, parse_target
+from ._lifecycle import DeploymentState
 from ._memory import gpu_order_environment
 
 from ._services import GroupOwner
@@ -159,3 +161,95 @@ class UnitMembers:
     async def wake(self, launch: MemberLaunch) -> None:
         adapter = self.ctl.adapter(self.actor.spec)
         await adapter.wake(self.ctl.http, await self._head_url(launch), self.actor.key, TIER_SLEEP_LEVEL.get(self.actor.park_tier, 1))
+
+
+class GroupUnits:
+    """A multi-node deployment's group as its actor drives it: the ModelGroup (_group.py) over
+    UnitMembers, made at its first wake (and again after one failed), and the watch that reports
+    a member's failure through ``on_failed``. It changes no state of the deployment."""
+
+    def __init__(self, owner: GroupOwner, on_failed: Callable[[GroupFailed], None]) -> None:
+        self._owner = owner
+        self._on_failed = on_failed
+        self._group: ModelGroup | None = None
+        self._members: UnitMembers | None = None
+        self._watch: asyncio.Task | None = None
+
+    @property
+    def exists(self) -> bool:
+        return self._group is not None
+
+    @property
+    def head_host(self) -> str:
+        return self._group.head.member.host
+
+    @property
+    def head_port(self) -> int:
+        return self._members.ports[0]
+
+    @property
+    def head_local_port(self) -> int | None:
+        """The local end of the SSH forward to a remote head's API."""
+        return self._members.head_local_port if self._members is not None else None
+
+    @property
+    def size(self) -> int:
+        return len(self._group.launches)
+
+    @property
+    def parked_in_place(self) -> bool:
+        return self._group.state == DeploymentState.PARKED and self._group.park_in_place
+
+    async def prepare(self) -> None:
+        """Make the group where there is none, or the last one failed."""
+        if self._group is not None and self._group.state != DeploymentState.FAILED:
+            return
+        owner, ctl, spec = self._owner, self._owner.controller, self._owner.spec
+        members = group_members(owner)
+        self._members = UnitMembers(owner)
+        in_place = ctl.adapter(spec).park_method(spec) == "in_place"
+        self._group = ModelGroup(owner.name, ctl.engine_kind(spec), members, self._members,
+                                 dist_port=await ctl.free_port_on(members[0].host),
+                                 park_in_place=in_place and spec.park == "auto",
+                                 start_timeout=spec.timeouts.start, stop_timeout=spec.timeouts.stop)
+
+    async def start(self) -> None:
+        """Head first, workers once it listens (ModelGroup.start)."""
+        await self._group.start()
+
+    async def wake(self, timeout: float) -> None:
+        await asyncio.wait_for(self._group.wake(), timeout=timeout)
+
+    def watch(self) -> None:
+        """Report the group's failure once its members are stopped."""
+        if self._watch is not None and not self._watch.done():
+            return
+        group = self._group
+
+        async def watch() -> None:
+            failure = await group.wait_failed()
+            if group is self._group:
+                self._on_failed(failure)
+
+        self._watch = asyncio.create_task(watch(), name=f"group:{self._owner.name}")
+
+    async def park(self, timeout: float) -> bool:
+        """Park in place through the head, else stop every member and keep the group for the
+        next wake to start; whether it parked in place."""
+        if self._group.park_in_place:
+            await asyncio.wait_for(self._group.park(), timeout=timeout)
+            return True
+        self._cancel_watch()
+        await self._group.park()
+        return False
+
+    async def stop(self) -> None:
+        """Stop every member and forget the group (the next wake makes a new one)."""
+        group, self._group = self._group, None
+        self._cancel_watch()
+        await group.stop()
+
+    def _cancel_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None

@@ -35,6 +35,19 @@ RAM_RETAINED_SLACK = 64 << 20
 UNIFIED_MEMORY_ENV = "CAPYCTL_UNIFIED_MEMORY"
 
 
+def park_tier(ctl: Any, spec: Any, host: str, record: dict[str, Any]) -> str:
+    """The tier a deployment parks at on ``host`` (engines/_tiers.py); ``restart`` once repeated
+    failed proofs turned its in-place park off (its park ``record``)."""
+    from ..engines._tiers import RESTART, resolve_park_tier
+    if record.get("in_place_disabled"):
+        return RESTART
+    try:
+        adapter = ctl.adapter(spec)
+    except CapyError:
+        return RESTART
+    return resolve_park_tier(adapter, spec, unified_memory=ctl.unified_memory(host))
+
+
 def unified_memory(ctl: Any, host: str) -> bool:
     """Whether ``host``'s GPU and host memory are one pool: its record's declaration (the local
     host: CAPYCTL_UNIFIED_MEMORY), else what its GPUs' names make certain (hosts.unified_memory_default)."""

@@ -127,3 +127,56 @@ def pending_files(record: dict[str, Any] | None) -> list[str]:
     """The files a park record says are waiting on disk (saved and not yet restored)."""
     cache = (record or {}).get("prompt_cache") or {}
     return [str(f) for f in cache.get("files") or []] if cache.get("state") == SAVED else []
+
+
+class PromptCacheKeeper:
+    """One deployment's prompt cache across its parks: saved before a park stops its unit,
+    restored after the wake's health check (before any request is admitted), dropped at a stop.
+    ``deployment`` is its actor: its spec, model path, key, upstream and park record."""
+
+    def __init__(self, deployment: Any) -> None:
+        self._deployment = deployment
+
+    def kept(self) -> bool:
+        # Local only: the identity is read from the files as the daemon's host sees them.
+        d = self._deployment
+        return not d.remote and d.controller.adapter(d.spec).keeps_prompt_cache(d.spec)
+
+    def directory(self) -> str | None:
+        """The launch's prompt-cache directory, or None where it keeps none."""
+        return prompt_cache_dir(self._deployment.name) if self.kept() else None
+
+    def pending(self) -> bool:
+        return bool(pending_files(self._deployment.park_record))
+
+    def _identity(self) -> dict[str, Any]:
+        from ._confine import engine_location
+        d = self._deployment
+        return identity(d.model_path, engine_location(d.controller.engine_for(d.spec)), list(d.spec.engine_args))
+
+    async def save(self) -> dict[str, Any] | None:
+        """Before a park stops the unit: the engine saves its prompt cache."""
+        if not self.kept():
+            return None
+        d = self._deployment
+        return await save(d.controller.adapter(d.spec), d.controller.http, d.upstream().base_url, d.key,
+                          budget=d.spec.prompt_cache.disk, timeout=d.spec.timeouts.park,
+                          directory=prompt_cache_dir(d.name), identity_now=self._identity())
+
+    async def restore(self, progress: Any) -> dict[str, Any]:
+        """After a wake's health check: the result, for the park record."""
+        d = self._deployment
+        saved = d.park_record.get("prompt_cache") or {}
+        progress(f"restoring the prompt cache saved at the park ({saved.get('tokens', 0)} tokens)")
+        return await restore(d.controller.adapter(d.spec), d.controller.http, d.upstream().base_url, d.key, saved,
+                             timeout=d.spec.timeouts.wake, directory=prompt_cache_dir(d.name),
+                             identity_now=self._identity())
+
+    def drop(self) -> dict[str, Any] | None:
+        """A stop or delete: a cache saved at a park is not kept past it; the park record's new
+        entry, or None when nothing was saved."""
+        files = pending_files(self._deployment.park_record)
+        if not files:
+            return None
+        remove_files(prompt_cache_dir(self._deployment.name), files)
+        return {"state": DROPPED, "why": "the deployment was stopped", "files": [], "tokens": 0}

@@ -58,7 +58,7 @@ class WakeCancelled(Unavailable):
 
 
 class Door(Protocol):
-    """A deployment as the line sees it: whether it admits new requests (the actor implements it)."""
+    """A deployment as the line sees it: whether it admits new requests (its Admission implements it)."""
 
     name: str
 

@@ -70,6 +70,38 @@ def test_an_armed_unit_holds_no_engine_and_a_lost_gate_starts_afresh(capyhost, s
     assert ask(client)
 
 
+# What systemctl shows of the unit (its Description), by what `capyctl list` shows of the deployment.
+SAYS = {"ready": ": serving", "parked": ": parked; its next launch is held at its gate until a wake"}
+
+
+def test_systemctl_and_capyctl_list_agree_across_park_wake_and_park_again(capyhost, smollm2):
+    # An armed unit runs (its gate shell), so `systemctl is-active` answers "active" for it, as it
+    # does for any unit with a process: is-active reports the unit's ActiveState alone. The
+    # description is what says parked or serving, in `systemctl status` and `list-units` alike.
+    client = deploy(capyhost, smollm2)
+
+    def agree(state: str) -> None:
+        listed = {d["name"]: d["state"] for d in capyhost.cli_json("list", "deployments")}
+        assert listed == {"smollm2": state}
+        description = capyhost.unit_property(UNIT, "Description")
+        assert description == f"CapyCTL deployment smollm2 (rev 1, llama.cpp){SAYS[state]}", description
+        shown = capyhost.sh("systemctl", "status", "--no-pager", "--lines=0", UNIT, check=False).stdout
+        assert f"{UNIT} - {description}" in shown, shown
+        units = capyhost.sh("systemctl", "list-units", "--no-legend", "--plain", "--all", "capyctl-*.service").stdout
+        assert [line.split(None, 4)[4] for line in units.splitlines() if line.startswith(UNIT)] == [description]
+
+    agree("ready")
+    capyhost.cli("park", "deployment", "smollm2")
+    assert capyhost.armed_at_gate(UNIT)
+    agree("parked")
+    assert ask(client)
+    agree("ready")
+    capyhost.cli("park", "deployment", "smollm2")
+    agree("parked")
+    capyhost.cli("wake", "deployment", "smollm2")
+    agree("ready")
+
+
 def test_a_restarted_daemon_stops_an_armed_unit_and_wakes_by_starting(capyhost, smollm2):
     client = deploy(capyhost, smollm2)
     capyhost.cli("park", "deployment", "smollm2")

@@ -112,5 +112,5 @@ def test_metrics_logs_and_a_new_revision(capyhost, smollm2):
     capyhost.cli("deploy", "model", "--file", str(capyhost.write_manifest("smollm2", manifest(smollm2, "queue: 8\n"))))
     status = capyhost.cli_json("status", "deployment", "smollm2")
     assert status["revision"] == 2 and status["state"] == "ready"
-    assert capyhost.unit_property(UNIT, "Description") == "CapyCTL deployment smollm2 (rev 2, llama.cpp)"
+    assert capyhost.unit_property(UNIT, "Description") == "CapyCTL deployment smollm2 (rev 2, llama.cpp): serving"
     assert chat(client, "Say hello.").choices[0].message.content

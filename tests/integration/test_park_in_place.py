@@ -93,12 +93,16 @@ def test_park_drains_first_then_wakes_in_place(host, kind):
     if kind == "vllm":
         assert stats["sleeping"], stats
     assert host.unit_property("capyctl-fake.service", "ActiveState") == "active"  # parked in place
+    # systemctl says what `capyctl list` says: the running unit's engine is parked, not serving.
+    assert host.unit_property("capyctl-fake.service", "Description").endswith(
+        ": parked in place; the engine sleeps until a wake")
 
     answer = client.chat.completions.create(model="fake", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     assert answer.choices[0].message.content
     status = host.cli_json("status", "deployment", "fake")
     assert status["state"] == "ready" and status["port"] == started["port"]
     assert host.unit_property("capyctl-fake.service", "MainPID") == pid  # the same process, woken in place
+    assert host.unit_property("capyctl-fake.service", "Description").endswith(": serving")
     if kind == "vllm":
         stats = fake_stats(host, status)
         assert (stats["sleep_calls"], stats["wake_calls"], stats["last_sleep_mode"]) == (1, 1, "wait"), stats

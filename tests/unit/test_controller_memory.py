@@ -309,6 +309,7 @@ class _RecordingSystemd:
         self.started: list = []
         self.stopped: list = []
         self.gates_opened: list = []
+        self.descriptions: dict = {}
 
     async def unit_state(self, name):
         return None
@@ -319,6 +320,9 @@ class _RecordingSystemd:
 
     async def start_transient(self, unit, **_):
         self.started.append(unit)
+
+    async def set_description(self, name, description):
+        self.descriptions[name] = description
 
     async def watch(self, name):
         await asyncio.Event().wait()  # the unit never changes state in this test
@@ -388,7 +392,7 @@ async def test_a_park_arms_the_next_launch_on_the_planned_card_and_a_changed_pla
     assert armed.exec_argv()[:4] == ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "capyctl-gate"]
     assert armed.devices == running.devices == ["/dev/nvidia7", "/dev/nvidiactl", "/dev/nvidia-uvm"]
     assert armed.markers["gate"] == "armed" and actor.describe()["armed"] is True
-    assert await actor._open_armed(lambda _: None) is True
+    assert await actor.engine_unit.open_armed(lambda _: None) is True
     assert systemd.gates_opened == ["capyctl-chat.service"] and actor.describe()["armed"] is False
 
     # Parked again and armed; then placement moves it to the other card before the wake.
@@ -397,7 +401,7 @@ async def test_a_park_arms_the_next_launch_on_the_planned_card_and_a_changed_pla
     await actor._do_park()
     assert systemd.started[-1].gated
     ctl.memory.gpus_for = lambda actor, rank=None: (0,)
-    assert await actor._open_armed(lambda _: None) is False
+    assert await actor.engine_unit.open_armed(lambda _: None) is False
     assert systemd.gates_opened == ["capyctl-chat.service"]  # that gate was not opened
     assert systemd.stopped[-1] == "capyctl-chat.service" and actor.describe()["armed"] is False
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from capyctl.controller._actor import new_engine_key
+from capyctl.controller._keys import new_engine_key
 
 
 def test_engine_keys_never_look_like_options():

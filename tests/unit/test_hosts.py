@@ -105,15 +105,15 @@ async def test_try_acquire_admits_at_once_only_what_acquire_would_admit_without_
     # that serves is admitted by both ways alike.
     controller.hosts.entries["b"].state = OFFLINE
     assert controller.placement_error(actor) is None
-    await actor.admit()
+    await actor.requests.admit()
     lease = controller.try_acquire("m")
     assert lease is not None and actor.in_flight == 2
     lease[1]()
-    actor.release()
+    actor.requests.release()
     actor.state = "stopped"
     assert controller.try_acquire("m") is None and actor.in_flight == 0
     with pytest.raises(CapyError) as err:
-        await actor.admit()
+        await actor.requests.admit()
     assert err.value.code == "host_offline"
 
 
@@ -157,7 +157,7 @@ async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(cont
     from capyctl.controller import DeploymentActor
     actor = controller.actors["m"] = DeploymentActor(controller, revision)
     with pytest.raises(CapyError) as err:
-        await actor.admit()
+        await actor.requests.admit()
     assert err.value.code == "host_offline" and "'m'" in err.value.message and "'b'" in err.value.message
     with pytest.raises(CapyError) as err:
         controller.cordons.allowed_hosts(actor)

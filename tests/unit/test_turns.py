@@ -20,6 +20,7 @@ import pytest
 
 from capyctl.config import DaemonConfig
 from capyctl.controller._actor import DeploymentActor
+from capyctl.controller._proof import WakeProof
 from capyctl.spec import parse_manifest
 from tests.controllers import vllm_controller
 
@@ -42,6 +43,9 @@ class _Systemd:
 
     async def start_transient(self, unit, **_):
         self.events.append(("start", unit.name))
+
+    async def set_description(self, name, description):
+        self.events.append(("describe", name))
 
     async def watch(self, name):
         await asyncio.Event().wait()
@@ -287,11 +291,11 @@ async def test_the_end_of_a_proof_after_a_wake_lets_a_waiting_wake_go_on_at_once
 
     async def slow_proof(self, woken_from_park, *args, **kwargs):
         if woken_from_park:
-            proofs.append(self.name)
+            proofs.append(self.deployment_name)
             await asyncio.sleep(0.3)
 
     monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
-    monkeypatch.setattr(DeploymentActor, "_check_proof", slow_proof)
+    monkeypatch.setattr(WakeProof, "check", slow_proof)
     a = await _parked(ctl, model, "a")
     await _deploy(ctl, model, "b")
     async with ctl.acquire("a"):  # a wakes by restart: its proof follows this request
@@ -317,12 +321,12 @@ async def test_a_deployment_is_deleted_while_the_proof_after_its_wake_runs(one_c
             await asyncio.sleep(0.3)
 
     monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
-    monkeypatch.setattr(DeploymentActor, "_check_proof", slow_proof)
+    monkeypatch.setattr(WakeProof, "check", slow_proof)
     a = await _parked(ctl, model, "a")
     async with ctl.acquire("a"):  # a wakes by restart: its proof follows this request
         pass
     await asyncio.wait_for(proving.wait(), HANG_GUARD)
-    assert a.busy and not a.serving_clients
+    assert a.busy and not a.requests.serving_clients
     await asyncio.wait_for(ctl.delete("a"), HANG_GUARD)
     assert "a" not in ctl.actors
 
@@ -334,10 +338,10 @@ async def test_the_proof_after_a_wake_is_deferred_while_another_deployment_waits
 
     async def proof(self, woken_from_park, *args, **kwargs):
         if woken_from_park:  # (a cold start records its reference through the same call)
-            proofs.append(self.name)
+            proofs.append(self.deployment_name)
 
     monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
-    monkeypatch.setattr(DeploymentActor, "_check_proof", proof)
+    monkeypatch.setattr(WakeProof, "check", proof)
     a = await _parked(ctl, model, "a")
     await _deploy(ctl, model, "b")
     release = asyncio.Event()
