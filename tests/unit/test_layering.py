@@ -59,6 +59,43 @@ def test_the_controller_package_has_no_import_cycle():
         assert not above, f"{service} reaches {sorted(above)}"
 
 
+def _package_graph(root: Path) -> dict[str, set[str]]:
+    """Every module of ``root``'s package (a package is its __init__) -> the package's modules it
+    imports, absolute or relative, anywhere in it (function-level imports too)."""
+    modules: dict[str, tuple[Path, bool]] = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+
+    def module_of(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, (path, is_package) in modules.items():
+        here = name if is_package else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = here.split(".")[:len(here.split(".")) - node.level + 1] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names if source.startswith(root.name) else ():
+                    sub = module_of(f"{source}.{alias.name}")
+                    targets.add(sub if sub and sub.startswith(source + ".") else module_of(source))
+            elif isinstance(node, ast.Import):
+                targets.update(module_of(a.name) for a in node.names if a.name.startswith(root.name + "."))
+        graph[name] = {t for t in targets if t and t != name}
+    return graph
+
+
+def test_capyctl_has_no_import_cycle_anywhere():
+    graph = _package_graph(PACKAGE.parent)
+    assert graph["capyctl.controller._actor"] >= {"capyctl.controller._lifecycle", "capyctl.config"}
+    _assert_no_cycle(graph)
+
+
 def test_the_engines_package_has_no_import_cycle():
     """Counting imports made under TYPE_CHECKING and inside functions, which only hide a cycle; and
     no adapter module imports the package's own __init__ (it imports them all)."""
