@@ -442,7 +442,9 @@ class DeploymentActor:
         if self._wake_future is not None and not self._wake_future.done():
             self._wake_future.set_exception(Unavailable(message, code=code))
 
-    async def _do_unit_exited(self, code: str, message: str) -> None:
+    async def _do_unit_exited(self, code: str, message: str, launch: str | None = None) -> None:
+        if launch is not None and launch != self.launch_id:
+            return  # an earlier launch's unit (a park by stopping may have armed the next already)
         if self.state == DeploymentState.PARKED and not self.parked_in_place:
             self.engine_unit.disarm()  # the armed unit is gone: the wake starts one
         if self.state == DeploymentState.FAILED or (self.state in (DeploymentState.STOPPED, DeploymentState.PARKED, DeploymentState.STOPPING) and not self.parked_in_place):
@@ -583,12 +585,15 @@ class DeploymentActor:
         engine = self.controller.engine_for(self.spec)
         adapter = self.controller.adapter(self.spec)
         self.capabilities = adapter.capabilities(engine, deployment=self.spec, model_path=self.model_path)
-        if runtime.state == DeploymentState.PARKED and unit_state.markers.get("gate") == "armed":
-            # Armed at a park by the previous daemon, which alone knew what it was planned with:
-            # stopped, so the next wake starts a launch planned here.
+        armed = runtime.state == DeploymentState.PARKED and unit_state.markers.get("gate") == "armed"
+        if armed or runtime.state in (DeploymentState.PARKING, DeploymentState.WAKING, DeploymentState.STOPPING):
+            # Armed at a park by the previous daemon, which alone knew what it was planned with; or
+            # cut short in a park, wake or stop, so that its engine may sleep though it answers its
+            # health check (vLLM's /health does): stopped, and the next wake starts it afresh.
             await self.engine_unit.stop()
             self.parked_in_place = False
-            self._set(DeploymentState.PARKED, "adopted")
+            stopping = runtime.state == DeploymentState.STOPPING
+            self._set(DeploymentState.STOPPED if stopping else DeploymentState.PARKED, "adopted")
             return self.state
         self.engine_unit.adopted()
         if runtime.state == DeploymentState.PARKED:
@@ -684,7 +689,11 @@ class DeploymentActor:
 
     async def close(self) -> None:
         self.liveness.stop()
-        self._task.cancel()
+        # Cancelled again until it ends: on Python 3.11 a cancel that lands as an awaited
+        # wait_for completes is lost (CPython gh-86296), and the task would wait for a command.
+        while not self._task.done():
+            self._task.cancel()
+            await asyncio.wait({self._task}, timeout=1.0)
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._task
+            self._task.result()
         await self.engine_unit.close()

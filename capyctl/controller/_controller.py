@@ -108,7 +108,11 @@ class Controller:
                     and actor.spec.nodes == 1:
                 adopting.append(actor.submit(Command.ADOPT, unit_state=unit, runtime=runtime))
             else:
-                if unit is not None and unit.active_state == "failed":
+                # A failed unit is news only where it was serving or parked in place: a stop, or a
+                # park by stopping, leaves the unit of an engine that had failed loaded as failed.
+                if unit is not None and unit.active_state == "failed" and runtime is not None \
+                        and runtime.state != DeploymentState.STOPPED \
+                        and (runtime.state != DeploymentState.PARKED or actor.park_record.get("parked_in_place")):
                     adopting.append(actor.submit(Command.FAILED_WHILE_AWAY))
                 elif was_placed:
                     # Its engine went away while the host was out of reach.

@@ -200,12 +200,14 @@ class EngineUnit:
     async def _watch(self) -> None:
         from ..systemd import failure_message, failure_reason
         owner = self._owner
+        launch = owner.launch_id  # the launch watched: its exit says nothing of a later one
         try:
             async for st in self.systemd.watch(owner.unit):
                 if st.active_state in ("failed", "inactive"):
                     if not self._expect_exit:
                         self.exit_code, self.exit_message = failure_reason(st), failure_message(st)
-                        owner.submit(Command.UNIT_EXITED, code=self.exit_code, message=self.exit_message)
+                        owner.submit(Command.UNIT_EXITED, code=self.exit_code, message=self.exit_message,
+                                     launch=launch)
                     self._exited.set()
                     return
         except asyncio.CancelledError:
