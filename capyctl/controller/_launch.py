@@ -109,14 +109,20 @@ def spec_capabilities(ctl: DeploymentServices, spec: Any) -> frozenset[str]:
     route the engine lacks without waking the model): the model's path when the manifest names
     one on this host (a Hub model has none until it is downloaded); empty while the engine is
     not registered (the deployment cannot start then either)."""
-    from ..spec import PathModel
-    model_path = spec.model.path if isinstance(spec.model, PathModel) else None
+    model_path = spec_model_path(spec)
     try:
         engine = ctl.engine_for(spec)
         adapter = ctl.adapter(spec)
     except CapyError:
         return frozenset()
     return adapter.capabilities(engine, deployment=spec, model_path=model_path)
+
+
+def spec_model_path(spec: Any) -> str | None:
+    """The model's path when the manifest names one on this host (a Hub model has none until
+    it is downloaded)."""
+    from ..spec import PathModel
+    return spec.model.path if isinstance(spec.model, PathModel) else None
 
 
 def model_label(spec: Any) -> str:

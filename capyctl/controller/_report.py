@@ -6,15 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CapyError
-from ..spec import PathModel
-from ._launch import model_label
+from ._launch import model_label, spec_model_path
 from ._lifecycle import RUNNING, DeploymentState
 
 
 def parsers(actor: Any) -> dict | None:
     """The tool-call and reasoning parsers its launch renders, and why (vLLM, SGLang)."""
     spec = actor.spec
-    model_path = actor.model_path or (spec.model.path if isinstance(spec.model, PathModel) else None)
+    model_path = actor.model_path or spec_model_path(spec)
     try:
         choice = actor.controller.adapter(spec).parsers(spec, model_path)
     except CapyError:
