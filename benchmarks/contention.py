@@ -75,6 +75,7 @@ LIGHT = "light"  # the light client's name in the records
 # 60: the CPU's contention, not the swaps this measures. --light-period 1 puts it back.
 LIGHT_PERIOD_S = 0.0
 PROMPT = "Say hi."
+STAGGER_S = 0.05  # between the clients' first requests: see client_start_s
 
 
 @dataclass(frozen=True)
@@ -193,10 +194,26 @@ async def _ask(http: Any, url: str, key: str, model: str) -> tuple[int, str | No
         return 0, type(exc).__name__
 
 
+def client_start_s(client: int, stagger: float) -> float:
+    """When client ``client`` sends its first request, in seconds from the start: one after the other.
+
+    Started all at once, the clients raced for the first turn. Client 0's request for a parked model
+    closes the resident model's door only once its wake has planned; requests for the resident model
+    that reached the daemon before that entered at once. Whether they did decided, in the first
+    milliseconds, which of two steady patterns a whole ``arrival`` run kept: every client on one model
+    at a time (a swap per batch of eight), or requests alternating model by model (a swap per request,
+    as arrival order means). Runs of the same code fell either way, so two runs could not be compared.
+    Started ``stagger`` apart (far longer than a plan takes), every run starts the same way.
+    """
+    return client * stagger
+
+
 async def load(url: str, key: str, models: Sequence[str], clients: int, seconds: float,
-               request_timeout: float, light_period: float = LIGHT_PERIOD_S) -> tuple[list[list[Any]], float]:
+               request_timeout: float, light_period: float = LIGHT_PERIOD_S,
+               stagger: float = STAGGER_S) -> tuple[list[list[Any]], float]:
     """The clients for ``seconds``; every request as [client, model, start_s, end_s, status, code]
     (seconds from the start). No request starts after ``seconds``; each ends within ``request_timeout``.
+    Client ``i`` starts at ``client_start_s(i, stagger)``.
     The light client asks ``small`` every ``light_period`` seconds (0: no light client)."""
     import aiohttp
     records: list[list[Any]] = []
@@ -204,6 +221,7 @@ async def load(url: str, key: str, models: Sequence[str], clients: int, seconds:
     deadline = began + seconds
 
     async def client(i: int, http: aiohttp.ClientSession) -> None:
+        await asyncio.sleep(client_start_s(i, stagger))
         k = 0
         while time.monotonic() < deadline:
             model = models[(i + k) % len(models)]
@@ -280,7 +298,7 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         before = _metrics(host.base_url, key)
         since = time.time()
         records, wall = asyncio.run(load(host.base_url, key, bigs, args.clients, args.seconds,
-                                         args.request_timeout, args.light_period))
+                                         args.request_timeout, args.light_period, args.stagger))
         after = _metrics(host.base_url, key)
         journal = host.sh("journalctl", "-u", "capytest-daemon.service", "-u", "capyctl-*.service", "-o",
                           "short-unix", "--no-pager", check=False).stdout  # the engines' own lines too
@@ -347,11 +365,14 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, help="per request; default wait_max + 60 s")
     parser.add_argument("--light-period", type=float, default=LIGHT_PERIOD_S,
                         help="seconds between the light client's requests to the small model (0: none)")
+    parser.add_argument("--stagger", type=float, default=STAGGER_S,
+                        help="seconds between the clients' first requests (0: all at once, racing)")
     parser.add_argument("--daemon-src", type=Path, help="run the daemon from this tree (holding capyctl/)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     wanted = [name.strip() for name in args.scenarios.split(",") if name.strip()]
-    result: dict[str, Any] = {"seconds": args.seconds, "clients": args.clients, "scenarios": {}}
+    result: dict[str, Any] = {"seconds": args.seconds, "clients": args.clients, "stagger_s": args.stagger,
+                              "scenarios": {}}
 
     def finish(error: str | None = None) -> None:
         if error:

@@ -3,9 +3,11 @@ goal judged PASS or MISS, rows not measured said so; the chart and summary.json 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -379,3 +381,37 @@ def test_contention_not_run_or_failed_is_n_a_with_the_reason():
     assert by["2 models on room for one: failed requests"].value == "RuntimeError: deploy failed"
     assert by["3 models on room for one: failed requests"].value == "not measured in this run"
     assert by["3 models on room for one: failed requests"].status == "n/a"
+
+
+async def test_contention_clients_start_one_after_another_in_client_order():
+    """contention.py's clients, started at once, raced for the first turn: whether the resident
+    model's requests came in before the parked model's first wake had planned decided which pattern
+    a whole arrival-order run kept, so runs of the same code read 45 or 140 answers. Their first
+    requests must reach the daemon in client order, each ``stagger`` after the one before."""
+    from aiohttp import web
+
+    arrived: list[tuple[float, str]] = []
+    stagger = 0.1
+
+    async def chat(request: web.Request) -> web.Response:
+        arrived.append((time.monotonic(), (await request.json())["model"]))
+        await asyncio.sleep(4 * stagger)  # every client's first request is in before any answer
+        return web.json_response({"choices": []})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        records, _ = await contention.load(f"http://127.0.0.1:{port}", "key", ["big-1", "big-2"], 4,
+                                           seconds=3 * stagger + 0.05, request_timeout=5.0, stagger=stagger)
+    finally:
+        await runner.cleanup()
+    firsts = sorted(min(r[2] for r in records if r[0] == client) for client in range(4))
+    assert [b - a for a, b in zip(firsts, firsts[1:])] == pytest.approx([stagger] * 3, abs=0.05)
+    assert [model for _, model in arrived[:4]] == ["big-1", "big-2", "big-1", "big-2"]
+    assert [b - a for (a, _), (b, _) in zip(arrived[:4], arrived[1:4])] == pytest.approx([stagger] * 3, abs=0.05)
+    assert all(r[4] == 200 for r in records)

@@ -122,6 +122,7 @@ class _Clients:
         self.ctl = ctl
         self.hold = hold
         self.answers: list[tuple[str, float, float, str | None]] = []
+        self.entered: list[tuple[float, float, str]] = []  # (let in, began, model) of each request
         self.progress: dict[str, list[str]] = {}
 
     async def one(self, model: str) -> None:
@@ -129,6 +130,7 @@ class _Clients:
         lines = self.progress.setdefault(model, [])
         try:
             async with self.ctl.acquire(model, progress=lines.append):
+                self.entered.append((time.monotonic(), began, model))
                 await asyncio.sleep(self.hold)
         except Exception as exc:  # recorded: the test asserts there are none
             self.answers.append((model, began, time.monotonic(), getattr(exc, "code", repr(exc))))
@@ -232,6 +234,30 @@ async def test_in_arrival_order_each_change_of_model_is_a_swap(one_card):
     arrival_starts = sum(1 for e in systemd.events if e[0] == "start")
     assert [code for *_, code in clients.answers if code] == []
     assert arrival_starts >= 4
+
+
+async def test_in_arrival_order_clients_started_one_after_another_are_let_in_as_they_came(one_card):
+    """Clients started one after the other on alternating models, as benchmarks/contention.py starts
+    them: the models are let in in the order their requests came, which is nearly a change of model
+    a request. The same in every run, which is what lets the benchmark's arrival-order runs be
+    compared (started at once, they raced for the first turn and fell into batches in some runs)."""
+    ctl, systemd, model = one_card
+    ctl.config.swap_order = "arrival"
+    await _deploy(ctl, model, "a")
+    await _deploy(ctl, model, "b")
+    clients = _Clients(ctl)
+
+    async def client(i: int) -> None:
+        await asyncio.sleep(i * 0.05)
+        await clients.run(["a", "b"] if i % 2 == 0 else ["b", "a"], 2.0)
+
+    await asyncio.wait_for(asyncio.gather(*(client(i) for i in range(4))), HANG_GUARD)
+    assert [code for *_, code in clients.answers if code] == []
+    let_in = [m for _, _, m in sorted(clients.entered)]
+    came = [m for _, m in sorted((began, m) for _, began, m in clients.entered)]
+    assert len(let_in) >= 8 and let_in == came
+    changes = sum(1 for x, y in zip(let_in, let_in[1:]) if x != y)
+    assert changes >= len(let_in) // 2, let_in  # batches would be a change each 4 requests
 
 
 async def test_a_wait_for_room_gives_way_to_a_stop_but_not_to_another_wake(one_card):
