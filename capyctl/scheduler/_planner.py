@@ -88,7 +88,8 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
     best_key: tuple | None = None
     best: tuple[_Option, list[_Item], dict[str, int]] | None = None
     eligible_by_host: dict[str, list[tuple[Candidate, dict[str, int]]]] = {}
-    host_rank = {h: i for i, h in enumerate(ledger.hosts)}
+    # Between equal options, the manifest's order of hosts (its preference), else the ledger's.
+    host_rank = {h: i for i, h in enumerate(dict.fromkeys([*(request.hosts or ()), *ledger.hosts]))}
     # Per domain, the most it could offer: what is free plus all that evictable deployments hold.
     # Options with a domain that cannot reach its need are skipped before any search (on a host
     # with many cards most combinations fail this way).

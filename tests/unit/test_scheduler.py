@@ -166,6 +166,13 @@ def test_host_constraint_is_obeyed() -> None:
     assert plan(Request("cpu", Footprint(ram=GiB), hosts=("b",)), ledger, [], NOW).host == "b"
 
 
+def test_between_equal_hosts_the_manifest_order_is_the_preference() -> None:
+    ledger = Ledger([HostResources("a", 64 * GiB), HostResources("b", 64 * GiB)])
+    assert plan(Request("cpu", Footprint(ram=GiB), hosts=("b", "a")), ledger, [], NOW).host == "b"
+    assert plan(Request("cpu", Footprint(ram=GiB), hosts=("a", "b")), ledger, [], NOW).host == "a"
+    assert plan(Request("cpu", Footprint(ram=GiB)), ledger, [], NOW).host == "a"  # the ledger's order
+
+
 def test_cpu_deployment_uses_host_ram_only() -> None:
     ledger = one_host(ram=8, reserve=1)
     ledger.place("gpu-model", Footprint(1, 80 * GiB, 0), "gpu1", (0,), "ready")
