@@ -23,6 +23,7 @@ wake, joining the one under way.
   command errs half-way. It leaves by wake (after its back-off) to STARTING, by stop to
   STOPPING, and by adopt (a host came back with its unit) to READY or PARKED.
   READY -> WAKING: the proof after a wake failed, and the engine restarts cleanly.
+  READY -> PARKED: its host was lost and it may move (on_host_loss: move); it wakes elsewhere.
   STOPPED -> READY: adopt, a unit a previous daemon started that is still healthy.
 
 The table (TRANSITIONS) is the authority; the picture is its summary. A command that errs
@@ -86,12 +87,10 @@ class DeploymentActor:
         self.parks = 0
         # What the running launch is.
         self.launch_id: str | None = None
-        # The host the unit runs on and the engine's port there (the local end of an SSH forward
-        # to a remote one is the EngineUnit's).
+        # The host the unit runs on and the engine's port there (a remote one's SSH forward: EngineUnit).
         self.host: str = "local"
         self.port: int | None = None
-        # An engine served on a unix socket (see capyctl/proxy/connector.py): its path on the
-        # engine's host.
+        # An engine served on a unix socket (capyctl/proxy/connector.py): its path on the engine's host.
         self.socket_path: str | None = None
         # Names of the launch's secret files beside its environment file (SGLang's --config).
         self.secret_files: list[str] = []
@@ -108,9 +107,8 @@ class DeploymentActor:
         # without waking the model; every launch refines it with the model's resolved path.
         self.capabilities: frozenset[str] = spec_capabilities(controller, revision.spec)
         self.served_model: str | None = None
-        # The engine's command line and the environment the adapter and the manifest gave it at
-        # the last launch (no secret: keys travel as credentials), for `capyctl recipe run`'s
-        # launch of the same engine without CapyCTL.
+        # The engine's command line and environment at the last launch (no secret: keys travel as
+        # credentials), for `capyctl recipe run`'s launch of the same engine without CapyCTL.
         self.launch_command: dict | None = None
         self._upstream = UpstreamCache(self)
         self._commands: asyncio.Queue[QueuedCommand] = asyncio.Queue()
@@ -135,6 +133,7 @@ class DeploymentActor:
             Command.UNIT_EXITED: self._do_unit_exited,
             Command.ENGINE_UNRESPONSIVE: self._do_engine_unresponsive,
             Command.RESTART_AFTER_FAILED_PROOF: self._do_restart_after_failed_proof,
+            Command.HOST_LOST: self._do_host_lost,
         }
         self._task = asyncio.create_task(self._run(), name=f"deployment:{self.name}")
 
@@ -178,8 +177,7 @@ class DeploymentActor:
         return self._upstream.get()
 
     def engine_address(self) -> tuple[int | None, str | None]:
-        """The engine's port and unix socket as this daemon reaches them: a remote engine's
-        through the local end of its SSH forward."""
+        """The engine's port and unix socket as reached from here: through the SSH forward if remote."""
         if self.socket_path is not None:
             return None, self.engine_unit.local_socket if self.remote else self.socket_path
         if not self.remote:
@@ -343,7 +341,7 @@ class DeploymentActor:
             elif woken_from_park and not woken_in_place:
                 # A wake that started the unit afresh is a clean start of the same files, as a cold
                 # start is: the requests it woke for go first, its proof follows them.
-                self._prove_after_requests(time.monotonic() - started)
+                self._proof.after_requests(time.monotonic() - started)
             else:
                 await self._prove(progress, woken_from_park, time.monotonic() - started)
                 laps.lap("proof")
@@ -376,17 +374,11 @@ class DeploymentActor:
         model); after a wake, generate it again and compare. A failed proof restarts the engine
         cleanly (a cold start is the floor, and its generation becomes the reference); after
         MAX_PROOF_FAILURES in a row the in-place park is turned off, with the reason."""
-        failure = await self._check_proof(woken_from_park, wake_seconds)
+        failure = await self._proof.check(woken_from_park, wake_seconds)
         if failure is None:
             return
         progress("the wake failed its proof; restarting the engine")
         await self._restart_clean(progress)
-
-    async def _check_proof(self, woken_from_park: bool, wake_seconds: float) -> str | None:
-        return await self._proof.check(woken_from_park, wake_seconds)
-
-    def _prove_after_requests(self, wake_seconds: float) -> None:
-        self._proof.after_requests(wake_seconds)
 
     async def _do_restart_after_failed_proof(self, launch: str | None) -> str:
         if self.state != DeploymentState.READY or self.launch_id != launch:
@@ -452,10 +444,9 @@ class DeploymentActor:
         await self._fail(code, message)
 
     async def _do_engine_unresponsive(self, launch_id: str | None, silent: float) -> None:
-        """The liveness watchdog found the engine silent: fail the deployment and stop the unit
-        (SIGTERM and SIGCONT, SIGKILL after a short grace), which cuts the
-        requests in flight; the verdict, recorded first,
-        tells the proxy what to answer them. The restart policy (backoff) applies as for a crash."""
+        """The liveness watchdog found the engine silent: fail the deployment and stop the unit (SIGTERM
+        and SIGCONT, SIGKILL after a short grace), which cuts the requests in flight; the verdict,
+        recorded first, tells the proxy what to answer them. The restart policy applies as for a crash."""
         if self.state != DeploymentState.READY or launch_id != self.launch_id:
             return  # that launch is gone or no longer serving: nothing to judge
         error = self.liveness.condemn(launch_id, silent)
@@ -520,11 +511,26 @@ class DeploymentActor:
                 await self.engine_unit.arm(self._prompt_cache.directory())
         return self.state
 
-    def host_lost(self) -> None:
-        """The host went offline: its bus connection is gone, so the unit watch on it is too.
-        The state stays as it was (requests answer host_offline); reconciling after the
-        reconnect adopts the unit again or fails the deployment."""
+    def host_lost(self, host: str) -> None:
+        """``host`` went offline: its bus connection is gone, so the unit watch on it is too. With
+        on_host_loss: wait the state stays (requests answer host_offline) until reconcile adopts
+        the unit after the reconnect; with move, the deployment leaves the host (HOST_LOST)."""
         self.engine_unit.cancel_watch()
+        if self.spec.on_host_loss == "move" and not self.groups.exists:
+            self.submit(Command.HOST_LOST, host=host)
+
+    async def _do_host_lost(self, host: str) -> str:
+        """Forget the unit on the lost host (Controller.reconcile stops it when the host is back;
+        nothing reaches it meanwhile but that host's SSH connection) and wake elsewhere if serving."""
+        if self.host != host or not (self.state == DeploymentState.READY or self.parked_in_place):
+            return self.state  # not placed there: a wake under way fails or places it elsewhere
+        serving = self.state == DeploymentState.READY
+        await self.engine_unit.abandon()
+        self.parked_in_place, self.launch_id = False, None  # no unit of it is to be adopted there
+        self._set(DeploymentState.PARKED, f"host {host!r} was lost; it starts on another host at its next wake")
+        if serving:
+            self.submit(Command.WAKE)  # as before the loss; waiting requests join it
+        return self.state
 
     async def _do_stop(self) -> str:
         if self.groups.exists:
@@ -681,11 +687,6 @@ class DeploymentActor:
 
     def describe(self) -> dict:
         return describe(self)
-
-    @property
-    def armed(self) -> bool:
-        """A park by stopping started its next launch's unit, held at its gate."""
-        return self.engine_unit.armed
 
     async def close(self) -> None:
         self.liveness.stop()

@@ -127,13 +127,20 @@ class Controller:
                     await systemd.stop_unit(unit.name, actor.spec.timeouts.stop)
         for unit in units.values():
             # Only units CapyCTL launched carry its markers; a unit that merely matches the name
-            # pattern (an admin's own capyctl-foo.service) is none of our business. A deployment
-            # recorded under that name (a group's worker, one placed elsewhere) is left alone too.
+            # pattern (an admin's own capyctl-foo.service) is none of our business, nor is a group's
+            # worker (its deployment is recorded on the head's host).
             owner = unit.markers.get("deployment")
-            if owner == deployment_from_unit(unit.name) and owner not in self.actors \
-                    and unit.active_state in ("active", "activating"):
+            if owner != deployment_from_unit(unit.name) or unit.active_state not in ("active", "activating"):
+                continue
+            actor = self.actors.get(owner)
+            if actor is None:
                 log.warning("stopping %s on %s: no deployment of that name is recorded", unit.name, host)
                 await systemd.stop_unit(unit.name, 30)
+            elif actor.spec.nodes == 1:
+                # It moved while this host was lost (on_host_loss: move): one copy serves, the other goes.
+                log.warning("stopping %s on %s: the deployment moved to host %s while this host was lost",
+                            unit.name, host, actor.host)
+                await systemd.stop_unit(unit.name, actor.spec.timeouts.stop)
         if adopting:
             await asyncio.gather(*adopting, return_exceptions=True)
 
@@ -258,7 +265,7 @@ class Controller:
     async def _host_offline(self, host: str) -> None:
         for actor in self.actors.values():
             if actor.host == host:
-                actor.host_lost()
+                actor.host_lost(host)
 
     async def _host_online(self, host: str) -> None:
         # The poller marks the host online after this returns, so reconcile through its entry.

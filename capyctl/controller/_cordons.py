@@ -93,9 +93,10 @@ class Cordons:
                     return exc
         if placed:
             entry = self._hosts.entries.get(actor.host)
-            if entry is not None and not entry.online:
+            if entry is not None and not entry.online and not (actor.spec.on_host_loss == "move"
+                                                              and actor.has_pending_commands):
                 return self._hosts.offline_error(actor.host, actor.name)
-            return None
+            return None  # a deployment that moves off a lost host: requests wait for its wake elsewhere
         wanted = actor.spec.hosts
         if wanted and not any(h in self._hosts.entries and self._hosts.entries[h].online for h in wanted):
             known = [h for h in wanted if h in self._hosts.entries]

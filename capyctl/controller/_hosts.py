@@ -214,8 +214,10 @@ class HostRegistry:
                 if await entry.ssh.alive():
                     return
                 self._mark_offline(entry, "the SSH connection was lost")
-                await self._close_bus(entry)
+                # Before the bus closes (which may take seconds): deployments that move must have
+                # their move queued before a request could find them ready on a dead connection.
                 await self._on_offline(entry.name)
+                await self._close_bus(entry)
                 return
             if time.monotonic() < entry.next_attempt:
                 return

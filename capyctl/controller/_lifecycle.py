@@ -51,8 +51,9 @@ TRANSITIONS: dict[DeploymentState, frozenset[DeploymentState]] = {
     S.STARTING: frozenset({S.READY, S.FAILED}),
     S.WAKING: frozenset({S.READY, S.FAILED}),
     # park: PARKING; stop: STOPPING; the proof after a wake failed: WAKING (a clean restart);
-    # adopt after a host came back: READY
-    S.READY: frozenset({S.PARKING, S.STOPPING, S.WAKING, S.FAILED}),
+    # adopt after a host came back: READY; its host was lost and it may move: PARKED (its next
+    # wake places it afresh)
+    S.READY: frozenset({S.PARKING, S.STOPPING, S.WAKING, S.FAILED, S.PARKED}),
     # a park that found requests it may not wait for goes back to READY
     S.PARKING: frozenset({S.PARKED, S.READY, S.FAILED}),
     # wake: WAKING; stop: STOPPING; an in-place park whose unit exits: FAILED
@@ -88,6 +89,7 @@ class Command(enum.StrEnum):
     UNIT_EXITED = "unit_exited"  # its unit (or a group member) exited on its own
     ENGINE_UNRESPONSIVE = "engine_unresponsive"  # the liveness watchdog found it hung
     RESTART_AFTER_FAILED_PROOF = "restart_after_failed_proof"  # the proof after a wake failed
+    HOST_LOST = "host_lost"  # the host it runs on went offline and its manifest lets it move
 
     @property
     def changes_course(self) -> bool:

@@ -155,6 +155,17 @@ class EngineUnit:
         await self.drop_forward()
         owner.controller.release_port(owner.name)
 
+    async def abandon(self) -> None:
+        """Its host was lost and the deployment moves: forget the unit without reaching the host
+        (Controller.reconcile stops the unit when the host is back). Its forward goes too, so the
+        reconnect does not open a way to the old engine again."""
+        self._armed = self._presealed = None
+        self._expect_exit = True
+        self.cancel_watch()
+        self._exited.set()
+        await self.drop_forward()
+        self._owner.controller.release_port(self._owner.name)
+
     async def stop_failed(self, timeout: float) -> None:
         """Stop a unit that failed or hung so it holds no memory; its watch sees it go."""
         if self._exited.is_set():

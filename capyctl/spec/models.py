@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ._units import Duration, Size
 
@@ -128,9 +128,14 @@ class DeploymentSpec(_Strict):
     resources: Resources = Field(default_factory=Resources)
     tensor_parallel: int = Field(default=1, ge=1, le=64, description="GPUs one model instance spans: on one host, "
                                  "or in total across its `nodes` (each node holds tensor_parallel / nodes).")
-    hosts: list[str] = Field(default_factory=list, description="Hosts to run on; empty lets the scheduler choose.")
+    hosts: list[str] = Field(default_factory=list, description="Hosts to run on, in order of preference where they serve it equally well; empty lets the scheduler choose.")
     nodes: int = Field(default=1, ge=1, le=16, description="Machines one model instance spans through the engine's "
                        "multi-node mode (vLLM, SGLang): one member on each of the first `nodes` hosts, head first.")
+    on_host_loss: Literal["wait", "move"] = Field(
+        default="wait", description="When the host it runs on stops answering the server. `wait`: its requests "
+        "answer 503 `host_offline` until the host is back, and the same engine is adopted again. `move`: it is "
+        "started on another host its `hosts` allow, with room, and serves the requests that wait for it there; "
+        "when the lost host comes back, its old unit there is stopped. One-host deployments only (`nodes: 1`).")
     engine_args: list[str] = Field(default_factory=list, description="Extra arguments appended to the engine's command line.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the engine process.")
     task: DeploymentTask = Field(
@@ -179,6 +184,15 @@ class DeploymentSpec(_Strict):
         for a in v:
             if not a or len(a) > 256 or any(c.isspace() for c in a):
                 raise ValueError(f"{a!r} is not a model alias (1 to 256 characters, no spaces)")
+        return v
+
+    @field_validator("on_host_loss")
+    @classmethod
+    def _on_host_loss(cls, v: str, info: ValidationInfo) -> str:
+        nodes = info.data.get("nodes", 1)
+        if v == "move" and nodes > 1:
+            raise ValueError(f"move needs nodes: 1 (nodes is {nodes}): a multi-node deployment's members run "
+                             "on the hosts it names, head first, and cannot move")
         return v
 
     @field_validator("env")

@@ -49,6 +49,7 @@ from capyctl.config import DaemonConfig, Paths, unit_name
 from capyctl.controller import _actor, _lifecycle
 from capyctl.controller._actor import DeploymentActor
 from capyctl.controller._lifecycle import RESTING, TRANSITIONS, DeploymentState, allowed
+from capyctl.controller._proof import WakeProof
 from capyctl.errors import CapyError, EngineError, SystemdError
 from capyctl.proxy.connector import label_of
 from capyctl.scheduler import _model as scheduler_model
@@ -736,8 +737,8 @@ def stand_ins(monkeypatch):
     async def proven(self, *args, **kwargs):
         return None
 
-    monkeypatch.setattr(DeploymentActor, "_check_proof", proven)
-    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", lambda self, seconds: None)
+    monkeypatch.setattr(WakeProof, "check", proven)
+    monkeypatch.setattr(WakeProof, "after_requests", lambda self, seconds: None)
     monkeypatch.setattr(DeploymentActor, "__init__", _counting_handlers(DeploymentActor.__init__))
 
     async def no_journal(unit, lines):

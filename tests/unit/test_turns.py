@@ -26,7 +26,7 @@ from tests.controllers import vllm_controller
 
 GiB = 1 << 30
 HANG_GUARD = 20.0
-REAL_PROVE_AFTER_REQUESTS = DeploymentActor._prove_after_requests
+REAL_PROVE_AFTER_REQUESTS = WakeProof.after_requests
 
 
 class _Systemd:
@@ -73,8 +73,8 @@ async def one_card(tmp_path, monkeypatch):
         return None
 
     monkeypatch.setattr(DeploymentActor, "_wait_healthy", healthy)
-    monkeypatch.setattr(DeploymentActor, "_check_proof", proven)
-    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", lambda self, seconds: None)
+    monkeypatch.setattr(WakeProof, "check", proven)
+    monkeypatch.setattr(WakeProof, "after_requests", lambda self, seconds: None)
     config = DaemonConfig()
     config.swap_quantum, config.swap_wait_max = 0.3, 3.0
     monkeypatch.setenv("CAPYCTL_ARM_PARKED", "0")
@@ -320,7 +320,7 @@ async def test_the_end_of_a_proof_after_a_wake_lets_a_waiting_wake_go_on_at_once
             proofs.append(self.deployment_name)
             await asyncio.sleep(0.3)
 
-    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
+    monkeypatch.setattr(WakeProof, "after_requests", REAL_PROVE_AFTER_REQUESTS)
     monkeypatch.setattr(WakeProof, "check", slow_proof)
     a = await _parked(ctl, model, "a")
     await _deploy(ctl, model, "b")
@@ -346,7 +346,7 @@ async def test_a_deployment_is_deleted_while_the_proof_after_its_wake_runs(one_c
             proving.set()
             await asyncio.sleep(0.3)
 
-    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
+    monkeypatch.setattr(WakeProof, "after_requests", REAL_PROVE_AFTER_REQUESTS)
     monkeypatch.setattr(WakeProof, "check", slow_proof)
     a = await _parked(ctl, model, "a")
     async with ctl.acquire("a"):  # a wakes by restart: its proof follows this request
@@ -366,7 +366,7 @@ async def test_the_proof_after_a_wake_is_deferred_while_another_deployment_waits
         if woken_from_park:  # (a cold start records its reference through the same call)
             proofs.append(self.deployment_name)
 
-    monkeypatch.setattr(DeploymentActor, "_prove_after_requests", REAL_PROVE_AFTER_REQUESTS)
+    monkeypatch.setattr(WakeProof, "after_requests", REAL_PROVE_AFTER_REQUESTS)
     monkeypatch.setattr(WakeProof, "check", proof)
     a = await _parked(ctl, model, "a")
     await _deploy(ctl, model, "b")
