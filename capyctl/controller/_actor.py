@@ -407,9 +407,7 @@ class DeploymentActor:
     def record_launch(self, prepared: PreparedUnit) -> None:
         """What a launch was planned with (EngineUnit.launch), recorded before its unit starts."""
         self.launch_id, self.port, self.key = prepared.launch_id, prepared.port, prepared.key
-        self.model_path = prepared.model_path
-        if prepared.model_revision and prepared.model_revision != self.model_commit:
-            self.model_commit = prepared.model_revision
+        self.model_path, self.model_commit = prepared.model_path, prepared.model_revision or self.model_commit
         self.socket_path, self.capabilities = prepared.socket_path, prepared.capabilities
         self.served_model, self.launch_command = prepared.served_model, prepared.launch_command
         self.secret_files = prepared.secret_files
