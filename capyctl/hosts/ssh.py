@@ -17,9 +17,9 @@ so log in as the same uid the controller runs as, normally root).
 Offline detection: the master sends SSH keep-alives every ``keepalive_interval`` seconds
 and exits after ``keepalive_count_max`` unanswered ones, so a cut link ends the master
 within about ``keepalive_interval * (keepalive_count_max + 1)`` seconds; ``alive()``
-(``ssh -O check``) then answers False. A controller polls ``alive()`` every few seconds per
-host (it costs one short local process and no network round trip); on False it marks the
-host offline, fails or parks what runs there, and calls ``reconnect()`` with a backoff
+(a pidfd of the master, learnt from ``ssh -O check``) then answers False. A controller polls
+``alive()`` every few seconds per host (a poll(2), no process and no network round trip); on
+False it marks the host offline, moves or keeps what runs there, and calls ``reconnect()`` with a backoff
 until it succeeds, which opens a new master and re-creates the forwards at the same
 local socket paths and ports.
 """
@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shlex
 import socket
 import time
@@ -84,6 +85,7 @@ class SshHost:
     keepalive_count_max: int = 3
     ssh_binary: str = "ssh"
     _forwards: list[_Forward] = field(default_factory=list, init=False, repr=False)
+    _master_pidfd: int | None = field(default=None, init=False, repr=False)  # see alive()
 
     def __post_init__(self) -> None:
         self.runtime_dir = Path(self.runtime_dir)
@@ -175,15 +177,39 @@ class SshHost:
             await self._control("forward", "-L", fwd.spec)
 
     async def alive(self) -> bool:
-        """True while the master connection runs (``ssh -O check``); cheap, nothing crosses the network."""
+        """True while the master connection runs; nothing crosses the network.
+
+        The first look asks ``ssh -O check``, which prints the master's pid ("Master running
+        (pid=%u)", OpenSSH mux.c); from then on a pidfd of the master answers, a poll(2) with no
+        process started: the host poller asks every host every few seconds, and an ssh client per
+        look was most of what an idle host cost the daemon. The pidfd turns readable when the
+        master exits (pidfd_open(2)), and cannot be fooled by its pid being reused.
+        """
         if not self.control_path.exists():
+            self._forget_master()
             return False
-        rc, _, _ = await self._exec(self._control_argv("check"), timeout=10)
-        return rc == 0
+        if self._master_pidfd is not None:
+            if not _process_exited(self._master_pidfd):
+                return True
+            self._forget_master()
+        rc, _, err = await self._exec(self._control_argv("check"), timeout=10)
+        if rc != 0:
+            return False
+        match = re.search(rb"pid=(\d+)", err)
+        if match:
+            with contextlib.suppress(OSError):  # no pidfd (an old kernel): -O check at each look
+                self._master_pidfd = os.pidfd_open(int(match.group(1)))
+        return True
+
+    def _forget_master(self) -> None:
+        fd, self._master_pidfd = self._master_pidfd, None
+        if fd is not None:
+            os.close(fd)
 
     async def close(self) -> None:
         """Cancel every forward and end the master (``ssh -O exit``)."""
         self._forwards.clear()
+        self._forget_master()
         if self.control_path.exists():
             await self._exec(self._control_argv("exit"), timeout=10)
         with contextlib.suppress(FileNotFoundError):
@@ -329,6 +355,13 @@ class SshHost:
                 await asyncio.wait_for(proc.wait(), 10)
             return None, b"", b""
         return proc.returncode, out, err
+
+
+def _process_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited: its pidfd polls readable then (pidfd_open(2))."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _classify(name: str, target: str, stderr: str) -> SshError:

@@ -1,0 +1,59 @@
+"""SshHost.alive(): after one ``ssh -O check`` it watches the master through a pidfd, so the host
+poller's look every few seconds starts no process (an idle host's cost, benchmarks/hosts_scale.py).
+
+The master here is a stand-in: a sleeping process, and an ``ssh`` script that answers ``-O check``
+as OpenSSH's mux.c does ("Master running (pid=%u)" on stderr) and counts its runs. The real ssh
+is tests/integration/test_ssh.py's (a cut link goes offline)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from capyctl.hosts.ssh import SshHost
+
+
+def _stand_in(tmp_path: Path, master_pid: int) -> tuple[Path, Path]:
+    runs = tmp_path / "runs"
+    ssh = tmp_path / "ssh"
+    ssh.write_text(f"#!/bin/sh\necho run >> {runs}\n"
+                   f'case " $* " in *" -O check "*) printf "Master running (pid={master_pid})\\r\\n" >&2; exit 0;; esac\n'
+                   "exit 255\n")
+    ssh.chmod(0o755)
+    return ssh, runs
+
+
+async def test_alive_asks_ssh_once_then_watches_the_master_until_it_exits(tmp_path: Path) -> None:
+    master = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ssh, runs = _stand_in(tmp_path, master.pid)
+        host = SshHost("b", "root@10.0.0.2", runtime_dir=tmp_path / "run", ssh_binary=str(ssh))
+        host.runtime_dir.mkdir()
+        host.control_path.touch()  # the master's control socket, as far as alive() looks
+        assert await host.alive()
+        for _ in range(20):
+            assert await host.alive()
+        assert runs.read_text().count("run") == 1  # one ssh -O check, then the pidfd alone
+        master.kill()
+        master.wait()
+        ssh.write_text("#!/bin/sh\nexit 255\n")  # and the master no longer answers
+        assert not await host.alive()
+        host.control_path.unlink()
+        assert not await host.alive()
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
+async def test_without_a_pid_in_its_answer_each_look_asks_ssh(tmp_path: Path) -> None:
+    ssh = tmp_path / "ssh"
+    runs = tmp_path / "runs"
+    ssh.write_text(f"#!/bin/sh\necho run >> {runs}\nexit 0\n")
+    ssh.chmod(0o755)
+    host = SshHost("b", "root@10.0.0.2", runtime_dir=tmp_path / "run", ssh_binary=str(ssh))
+    host.runtime_dir.mkdir()
+    host.control_path.touch()
+    assert await host.alive() and await host.alive()
+    assert runs.read_text().count("run") == 2
