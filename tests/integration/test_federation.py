@@ -296,10 +296,26 @@ def _unit_on(host, unit: str) -> str:
     return host.exec("systemctl", "show", "-P", "ActiveState", unit, check=False).stdout.strip()
 
 
-def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(federation) -> None:
-    """on_host_loss: move (issue 36): b's link is cut under load; the loss is seen within the bound,
-    the deployment starts on the server's own host, the requests that waited for it are served
-    there, and when b comes back its old unit is stopped: one copy serves at any time."""
+def _lose(rig: TwoHostRig, how: str) -> None:
+    if how == "link":
+        rig.a.cut_link()
+    else:  # every process of b's sshd, the sessions' too (systemctl kill: the unit's whole cgroup)
+        rig.b.exec("systemctl", "kill", "--signal=SIGKILL", "capyfed-sshd.service")
+
+
+def _restore(rig: TwoHostRig, how: str) -> None:
+    if how == "link":
+        rig.a.restore_link()
+    else:
+        rig.b.exec("systemctl", "restart", "capyfed-sshd.service")
+
+
+@pytest.mark.parametrize("how", ["link", "sshd"])
+def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(federation, how: str) -> None:
+    """on_host_loss: move (issue 36): b is lost under load (its link cut, or its sshd killed); the
+    loss is seen within the bound, the deployment starts on the server's own host, the requests
+    that waited for it are served there, and when b comes back its old unit is stopped: one copy
+    serves at any time."""
     import threading
 
     rig, daemon = federation
@@ -342,7 +358,7 @@ def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(fede
         t.start()
     time.sleep(3)
     cut = time.monotonic()
-    rig.a.cut_link()
+    _lose(rig, how)
     try:
         daemon.wait_host_state("b", "offline")
         detected = time.monotonic() - cut
@@ -355,7 +371,7 @@ def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(fede
         assert _unit_on(rig.a, MOVE_UNIT) == "active"
         time.sleep(3)  # requests served from a while the old copy is out of reach
     finally:
-        rig.a.restore_link()
+        _restore(rig, how)
     daemon.wait_host_state("b", "online")
     # b's old copy was stopped when b came back (before b was used again): never two serving.
     assert _unit_on(rig.b, MOVE_UNIT) in ("inactive", "failed", "")
@@ -366,7 +382,7 @@ def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(fede
         t.join(150)
     status = daemon.cli_json("status", "deployment", "mover")
     assert status["state"] == "ready" and status["hosts"] == ["local"]
-    print(f"loss detected after {detected:.1f}s; ready on local {moved:.1f}s after the cut; "
+    print(f"{how}: loss detected after {detected:.1f}s; ready on local {moved:.1f}s after the cut; "
           f"{len(outcomes)} requests: {sorted({(s, c) for _, _, s, c in outcomes})}")
     assert detected <= LOSS_DETECTED_WITHIN_S + 2.0, f"the loss was seen {detected:.1f}s after the cut"
     # Every request ended; those sent once the loss was known were all served (they waited for the
