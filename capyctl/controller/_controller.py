@@ -87,8 +87,12 @@ class Controller:
                 if runtime is not None:
                     actor.host = runtime.host
         await self.hosts.start()
-        for host in self.hosts.online_names():
-            await self.reconcile(host)
+        # Each host's units adopted at once: a restart with many hosts must not wait for each in turn.
+        outcomes = await asyncio.gather(*(self.reconcile(host) for host in self.hosts.online_names()),
+                                        return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         self._idle_task = asyncio.create_task(self._park_idle_loop(), name="idle-parker")
 
     async def reconcile(self, host: str = LOCAL) -> None:

@@ -45,6 +45,7 @@ LOCAL = "local"
 ONLINE, OFFLINE = "online", "offline"
 POLL_INTERVAL_S = 2.0
 RECONNECT_BACKOFF_MAX_S = 10.0
+START_CONNECTIONS = 16  # hosts connected at once when the daemon starts
 # Ports CapyCTL leases for engines on remote hosts (their loopback; never reachable from outside).
 REMOTE_PORT_RANGE = (20000, 60999)
 
@@ -130,16 +131,29 @@ class HostRegistry:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect every recorded SSH host (an unreachable one starts offline and is retried)."""
+        """Connect every recorded SSH host, several at once; a host connected is online (the
+        controller reconciles it next), an unreachable one starts offline and is retried."""
+        entries = []
         for record in self.store.list_hosts():
             if record.kind != "ssh" or record.name == LOCAL:
                 continue
-            entry = HostEntry(record.name, "ssh", ssh=self._ssh_for(record), record=record)
-            self.entries[record.name] = entry
-            try:
-                await self._connect(entry)
-            except CapyError as exc:
-                self._mark_offline(entry, exc.message)
+            entry = self.entries[record.name] = HostEntry(record.name, "ssh", ssh=self._ssh_for(record),
+                                                          record=record)
+            entries.append(entry)
+        # One host after another, a restart waited for every handshake, bus and inventory in turn;
+        # at most START_CONNECTIONS at once keeps a big fleet from opening them all together.
+        slots = asyncio.Semaphore(START_CONNECTIONS)
+
+        async def connect(entry: HostEntry) -> None:
+            async with slots:
+                try:
+                    await self._connect(entry)
+                except CapyError as exc:
+                    self._mark_offline(entry, exc.message)
+                    return
+            entry.state, entry.reason, entry.since = ONLINE, None, time.time()
+
+        await asyncio.gather(*(connect(entry) for entry in entries))
         self._poll_task = asyncio.create_task(self._poll_loop(), name="host-poller")
 
     async def close(self) -> None:
