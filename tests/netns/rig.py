@@ -103,6 +103,49 @@ class NetHost:
         _run("ip", "-n", self.netns, "link", "set", self.veth, "up")
 
 
+def start_sshd(host: NetHost, client_key: Path, comment: str, unit: str = "capyfed-sshd",
+               description: str = "sshd of the two-host test rig") -> None:
+    """A real sshd on ``host.address`` as a transient unit (``unit``) of the host's systemd: its
+    config, per-run host key and authorized_keys (``client_key``'s public half) in ``host.sshd_dir``.
+    Returns once it answers ssh-keyscan in the host's own network namespace."""
+    d = host.sshd_dir
+    d.mkdir(mode=0o700)
+    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment,
+         "-f", str(d / "host_ed25519"))
+    shutil.copy(f"{client_key}.pub", d / "authorized_keys")
+    (d / "authorized_keys").chmod(0o600)
+    (d / "sshd_config").write_text(
+        f"ListenAddress {host.address}:{host.ssh_port}\n"
+        f"HostKey {d / 'host_ed25519'}\n"
+        f"PidFile none\n"
+        f"AuthorizedKeysFile {d / 'authorized_keys'}\n"
+        "PermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\n"
+        # No PAM: a PAM session would register with logind, which the sandbox does not run.
+        "UsePAM no\n"
+        # /var/tmp is world-writable, which StrictModes refuses for key files beneath it.
+        "StrictModes no\n"
+        "AllowStreamLocalForwarding yes\n"
+        "AllowTcpForwarding yes\n"
+        "MaxSessions 50\n"
+        "MaxStartups 50\n"
+        "ClientAliveInterval 0\n"
+        "Subsystem sftp internal-sftp\n")
+    host.exec("systemd-run", f"--unit={unit}", f"--description={description}",
+              "-p", "RuntimeDirectory=sshd", "-p", "RuntimeDirectoryMode=0755",
+              SSHD, "-D", "-e", "-f", str(d / "sshd_config"))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        probe = host.in_netns("ssh-keyscan", "-T", "2", "-p", str(host.ssh_port), "-t", "ed25519",
+                              host.address, check=False, timeout=10)
+        if probe.returncode == 0 and probe.stdout.strip():
+            return
+        time.sleep(0.2)
+    journal = host.exec("journalctl", "-u", unit, "--no-pager", "-n", "40", check=False)
+    raise RuntimeError(f"sshd on host {host.label} did not answer: {journal.stdout}")
+
+
 class TwoHostRig:
     """Build with ``TwoHostRig().up()``, always ``down()`` (also after a failed ``up``)."""
 
@@ -152,42 +195,7 @@ class TwoHostRig:
             _run("ip", "-n", host.netns, "link", "set", host.veth, "up")
 
     def _start_sshd(self, host: NetHost) -> None:
-        d = host.sshd_dir
-        d.mkdir(mode=0o700)
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", f"{host.label}-{self.run_id}",
-             "-f", str(d / "host_ed25519"))
-        shutil.copy(f"{self.client_key}.pub", d / "authorized_keys")
-        (d / "authorized_keys").chmod(0o600)
-        (d / "sshd_config").write_text(
-            f"ListenAddress {host.address}:{host.ssh_port}\n"
-            f"HostKey {d / 'host_ed25519'}\n"
-            f"PidFile none\n"
-            f"AuthorizedKeysFile {d / 'authorized_keys'}\n"
-            "PermitRootLogin prohibit-password\n"
-            "PasswordAuthentication no\n"
-            "KbdInteractiveAuthentication no\n"
-            # No PAM: a PAM session would register with logind, which the sandbox does not run.
-            "UsePAM no\n"
-            # /var/tmp is world-writable, which StrictModes refuses for key files beneath it.
-            "StrictModes no\n"
-            "AllowStreamLocalForwarding yes\n"
-            "AllowTcpForwarding yes\n"
-            "MaxSessions 50\n"
-            "MaxStartups 50\n"
-            "ClientAliveInterval 0\n"
-            "Subsystem sftp internal-sftp\n")
-        host.exec("systemd-run", "--unit=capyfed-sshd", "--description=sshd of the two-host test rig",
-                  "-p", "RuntimeDirectory=sshd", "-p", "RuntimeDirectoryMode=0755",
-                  SSHD, "-D", "-e", "-f", str(d / "sshd_config"))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            probe = host.in_netns("ssh-keyscan", "-T", "2", "-p", str(host.ssh_port), "-t", "ed25519",
-                                  host.address, check=False, timeout=10)
-            if probe.returncode == 0 and probe.stdout.strip():
-                return
-            time.sleep(0.2)
-        journal = host.exec("journalctl", "-u", "capyfed-sshd", "--no-pager", "-n", "40", check=False)
-        raise RuntimeError(f"sshd on host {host.label} did not answer: {journal.stdout}")
+        start_sshd(host, self.client_key, f"{host.label}-{self.run_id}")
 
     def write_known_hosts(self) -> None:
         """known_hosts with the real keys of the sshds running, scanned over the veth link."""
