@@ -163,7 +163,12 @@ def test_idle_deployment_parks_by_itself(capyhost, smollm2):
         time.sleep(0.5)
     assert status["state"] == "parked", status
     assert status["reason"] == "idle for 2s"
-    # Its engine is gone, and with nobody waiting the next launch's unit was armed, as at a park by request.
+    # Its engine is gone, and with nobody waiting the next launch's unit is armed, as at a park by
+    # request. The park arms it after the deployment reads parked: a look at once may find the
+    # unit still activating (a CI run did), so it is waited for, within a bound.
+    deadline = time.monotonic() + 15
+    while not capyhost.armed_at_gate("capyctl-smollm2.service") and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert capyhost.armed_at_gate("capyctl-smollm2.service"), capyhost.unit_processes("capyctl-smollm2.service")
     assert ask(c, "smollm2")  # and it wakes on the next request
 
