@@ -99,6 +99,9 @@ class Controller:
         """Adopt the units on ``host`` that match their recorded launch; stop ours that do not."""
         systemd = self.hosts.systemd(host)
         units = {u.name: u for u in await systemd.list_units("capyctl-*.service")}
+        # Every key the adoptions below need, in one command on the host rather than one each.
+        await self.secrets.unseal_keys_on(host, [name for name, actor in self.actors.items()
+                                                 if actor.host == host and actor.unit in units])
         adopting = []
         for name, actor in self.actors.items():
             if actor.host != host:
@@ -147,6 +150,7 @@ class Controller:
                 await systemd.stop_unit(unit.name, actor.spec.timeouts.stop)
         if adopting:
             await asyncio.gather(*adopting, return_exceptions=True)
+        self.secrets.forget_unsealed(host)
 
     async def close(self, *, stop_units: bool = False) -> None:
         """Stop the daemon's own tasks. Engine units keep serving unless ``stop_units``."""

@@ -4,6 +4,7 @@ reads a key back for adoption, and removes them with the launch."""
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 from pathlib import Path
@@ -23,6 +24,8 @@ class EngineSecrets:
         self._hosts = hosts
         # host -> whether systemd-creds encrypts credentials there (None: not tried yet)
         self._sealing: dict[str, bool] = {}
+        # (host, deployment) -> its key, unsealed ahead of its adoption (unseal_keys_on)
+        self._unsealed: dict[tuple[str, str], str] = {}
 
     def make_dir(self) -> None:
         """This machine's secrets directory, 0700 (units read it as root through LoadCredential=)."""
@@ -58,8 +61,42 @@ class EngineSecrets:
                 credentials[credential] = str(self._secret_file_path(stem))
         return credentials, frozenset(sealed)
 
+    async def unseal_keys_on(self, host: str, names: list[str]) -> None:
+        """Unseal the keys of the deployments ``names`` on ``host`` in one command, for the
+        adoptions that follow (``read_secret_key_on`` takes each once; ``forget_unsealed`` drops
+        what none took). A restart opened an SSH session a deployment to unseal its key, most of
+        what adopting a host's deployments cost. A key that does not unseal here is read the
+        usual way."""
+        from ..engines import KEY_CREDENTIAL
+        if not names:
+            return
+        # One line a key, in the order given: base64 of what systemd-creds decrypts, empty where it fails.
+        script = 'for f do printf "%s\\n" "$(systemd-creds decrypt --name="$0" "$f" - 2>/dev/null | base64 -w0)"; done'
+        try:
+            rc, out, _ = await self._hosts.run(host, ["sh", "-c", script, KEY_CREDENTIAL,
+                                                      *(str(self._sealed_path(n)) for n in names)])
+        except (OSError, CapyError):
+            return
+        lines = out.decode(errors="replace").splitlines()
+        if rc != 0 or len(lines) != len(names):
+            return
+        for name, line in zip(names, lines):
+            try:
+                key = base64.b64decode(line, validate=True).decode().strip()
+            except ValueError:
+                continue
+            if key:
+                self._unsealed[(host, name)] = key
+
+    def forget_unsealed(self, host: str) -> None:
+        for entry in [e for e in self._unsealed if e[0] == host]:
+            del self._unsealed[entry]
+
     async def read_secret_key_on(self, host: str, name: str) -> str | None:
         from ..engines import KEY_CREDENTIAL
+        unsealed = self._unsealed.pop((host, name), None)
+        if unsealed is not None:
+            return unsealed
         sealed = self._sealed_path(name)
         if host != LOCAL or sealed.exists():
             key = await self._unseal_on(host, KEY_CREDENTIAL, sealed)

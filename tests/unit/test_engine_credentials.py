@@ -106,3 +106,35 @@ async def test_a_key_sealed_by_the_real_systemd_creds_is_read_back_for_adoption(
     assert sealed == {"engine-key"}
     assert b"the-key" not in Path(credentials["engine-key"]).read_bytes()
     assert await engine.read_secret_key_on("local", "smol") == "the-key"
+
+
+async def test_the_keys_of_a_host_s_adoptions_are_unsealed_in_one_command(tmp_path: Path) -> None:
+    """A restart adopting many deployments on a host unseals their keys in one command there
+    (Controller.reconcile), not one SSH session each; a key it could not unseal is read as before."""
+    if shutil.which("systemd-creds") is None:
+        missing("needs systemd-creds (systemd 250 or newer; scripts/setup installs Debian's systemd)")
+    require_root("(systemd-creds encrypts with the host key in /var/lib/systemd)")
+    calls: list[list[str]] = []
+
+    async def run(host, argv, *, input=None, timeout=60.0):
+        import asyncio
+        calls.append(argv)
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate(input)
+        return proc.returncode, out, err
+    engine, secrets = engine_secrets(tmp_path, SimpleNamespace(run=run, entries={}))
+    for name in ("a", "b", "c"):
+        await engine.launch_credentials_on("local", name, f"key-of-{name}", {})
+    (secrets / "c.cred").write_bytes(b"not a credential")  # c's does not unseal
+    calls.clear()
+    await engine.unseal_keys_on("local", ["a", "b", "c"])
+    assert len(calls) == 1
+    assert await engine.read_secret_key_on("local", "a") == "key-of-a"
+    assert await engine.read_secret_key_on("local", "b") == "key-of-b"
+    assert len(calls) == 1  # taken from the one command
+    assert await engine.read_secret_key_on("local", "c") is None and len(calls) == 2  # read the usual way
+    await engine.unseal_keys_on("local", ["a"])
+    engine.forget_unsealed("local")
+    calls.clear()
+    assert await engine.read_secret_key_on("local", "a") == "key-of-a" and len(calls) == 1  # none left over
