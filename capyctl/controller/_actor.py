@@ -514,7 +514,7 @@ class DeploymentActor:
         on_host_loss: wait the state stays (requests answer host_offline) until reconcile adopts
         the unit after the reconnect; with move, the deployment leaves the host (HOST_LOST)."""
         self.engine_unit.cancel_watch()
-        if self.spec.on_host_loss == "move" and not self.groups.exists:
+        if self.spec.on_host_loss == "move":  # one-host deployments only (the manifest refuses a group's)
             self.submit(Command.HOST_LOST, host=host)
 
     async def _do_host_lost(self, host: str) -> str:

@@ -143,17 +143,10 @@ class EngineUnit:
 
     async def stop(self) -> None:
         """Stop the unit and forget it: its watch, its forward and its port."""
-        owner = self._owner
         self._armed = None
         self._expect_exit = True
-        await self.systemd.stop_unit(owner.unit, owner.spec.timeouts.stop)
-        self._exited.set()
-        # The unit is gone: its watch has nothing left to say, and what it still had queued
-        # (the stop's own states) must not reach the next launch, which clears _expect_exit and
-        # may start at once (an armed park does).
-        self.cancel_watch()
-        await self.drop_forward()
-        owner.controller.release_port(owner.name)
+        await self.systemd.stop_unit(self._owner.unit, self._owner.spec.timeouts.stop)
+        await self._forget()
 
     async def abandon(self) -> None:
         """Its host was lost and the deployment moves: forget the unit without reaching the host
@@ -161,8 +154,14 @@ class EngineUnit:
         reconnect does not open a way to the old engine again."""
         self._armed = self._presealed = None
         self._expect_exit = True
-        self.cancel_watch()
+        await self._forget()
+
+    async def _forget(self) -> None:
+        """The unit is gone (or out of reach): its watch has nothing left to say, and what it still
+        had queued (a stop's own states) must not reach the next launch, which clears _expect_exit
+        and may start at once (an armed park does). Its forward and port go with it."""
         self._exited.set()
+        self.cancel_watch()
         await self.drop_forward()
         self._owner.controller.release_port(self._owner.name)
 

@@ -18,6 +18,7 @@ from capyctl.controller._hosts import OFFLINE, ONLINE, HostEntry
 from capyctl.spec import DeploymentSpec, ManifestError, parse_manifest
 from capyctl.store import Store
 from capyctl.systemd import UnitState
+from tests.unit.test_hosts import NoSystemd
 
 
 class HostSystemd:
@@ -32,11 +33,6 @@ class HostSystemd:
 
     async def stop_unit(self, name: str, timeout: float = 30.0) -> None:
         self.stopped.append(name)
-
-
-class NoSystemd:
-    def __getattr__(self, name: str):
-        raise AssertionError(f"systemd.{name} was used")
 
 
 @pytest.fixture
