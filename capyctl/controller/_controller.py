@@ -93,6 +93,7 @@ class Controller:
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+        self.hosts.refresh_remembered()  # inventories taken from the store, read again now
         self._idle_task = asyncio.create_task(self._park_idle_loop(), name="idle-parker")
 
     async def reconcile(self, host: str = LOCAL) -> None:

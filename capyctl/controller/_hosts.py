@@ -2,7 +2,9 @@
 
 An SSH host is reached through one ``SshHost`` ControlMaster: its systemd over a forwarded
 unix socket to its D-Bus system bus, its engines over forwarded loopback ports, and
-``capyctl host-info --json`` run there for its memory and GPUs. A background task polls
+``capyctl host-info --json`` run there for its memory and GPUs. A restart begins with the
+inventory last read (the store keeps it) and reads it again once the host's units are adopted, so
+adopting waits only for the handshake and the bus. A background task polls
 every SSH host's master (``alive()``, no network round trip) every ``POLL_INTERVAL_S``; a
 dead master marks the host offline (its deployments answer 503 ``host_offline``) and the
 task reconnects with a backoff. ``reconnect()`` re-creates every forward at the same local
@@ -70,6 +72,8 @@ class HostEntry:
     state: str = OFFLINE
     reason: str | None = None
     info: dict | None = None  # the host's `capyctl host-info --json`
+    info_read_at: float | None = None
+    info_remembered: bool = False  # info is the last daemon's, to be read again (refresh_remembered)
     bus_socket: str | None = None
     since: float = field(default_factory=time.time)
     next_attempt: float = 0.0
@@ -126,6 +130,7 @@ class HostRegistry:
         self._on_resources = on_resources
         self.entries: dict[str, HostEntry] = {LOCAL: HostEntry(LOCAL, "local", systemd=local_systemd, state=ONLINE)}
         self._poll_task: asyncio.Task | None = None
+        self._refresh_task: asyncio.Task | None = None
         self._locks: dict[str, asyncio.Lock] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -147,20 +152,47 @@ class HostRegistry:
         async def connect(entry: HostEntry) -> None:
             async with slots:
                 try:
-                    await self._connect(entry)
+                    await self._connect(entry, remembered=self.store.host_inventory(entry.name))
                 except CapyError as exc:
                     self._mark_offline(entry, exc.message)
                     return
+            self._remember(entry)
             entry.state, entry.reason, entry.since = ONLINE, None, time.time()
 
         await asyncio.gather(*(connect(entry) for entry in entries))
         self._poll_task = asyncio.create_task(self._poll_loop(), name="host-poller")
 
+    def refresh_remembered(self) -> None:
+        """Read again, in the background, each online host's inventory that ``start`` took from the
+        store (its GPUs or RAM may have changed while no daemon watched)."""
+        stale = [e for e in self.entries.values() if e.remote and e.online and e.info_remembered]
+        if stale:
+            self._refresh_task = asyncio.create_task(self._refresh(stale), name="host-inventories")
+
+    async def _refresh(self, entries: list[HostEntry]) -> None:
+        slots = asyncio.Semaphore(START_CONNECTIONS)
+
+        async def refresh(entry: HostEntry) -> None:
+            async with slots, self._lock(entry.name):
+                if not entry.online or not entry.info_remembered or entry.ssh is None:
+                    return  # gone offline: its reconnect reads the inventory afresh
+                try:
+                    info = await self.remote_host_info(entry.ssh)
+                except CapyError as exc:
+                    log.info("host %s: inventory not read again (%s); keeping the last one", entry.name, exc.code)
+                    return
+                self._set_info(entry, info, time.time())
+                self._remember(entry)
+                log.info("host %s: inventory read again", entry.name)
+
+        await asyncio.gather(*(refresh(entry) for entry in entries))
+
     async def close(self) -> None:
-        if self._poll_task:
-            self._poll_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._poll_task
+        for task in (self._poll_task, self._refresh_task):
+            if task:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         for entry in list(self.entries.values()):
             if entry.remote:
                 await self._disconnect(entry)
@@ -170,8 +202,9 @@ class HostRegistry:
                        runtime_dir=self.runtime_dir / "hosts", port=record.port,
                        identity_file=record.identity, known_hosts=record.known_hosts)
 
-    async def _connect(self, entry: HostEntry) -> None:
-        """Open (or reopen) the master, the bus connection, and read the host's inventory."""
+    async def _connect(self, entry: HostEntry, remembered: tuple[dict, float] | None = None) -> None:
+        """Open (or reopen) the master and the bus connection, and read the host's inventory unless
+        ``remembered`` (the store's, at start) stands in for it until ``refresh_remembered``."""
         from ..systemd import SystemdClient
         assert entry.ssh is not None
         if entry.bus_socket is None:
@@ -182,8 +215,20 @@ class HostRegistry:
         if entry.systemd is not None:
             await self._close_bus(entry)
         entry.systemd = await SystemdClient.connect("unix:path=" + entry.bus_socket)
-        entry.info = await self.remote_host_info(entry.ssh)
+        if remembered is None:
+            self._set_info(entry, await self.remote_host_info(entry.ssh), time.time())
+        else:
+            self._set_info(entry, *remembered)
+            entry.info_remembered = True
+
+    def _set_info(self, entry: HostEntry, info: dict, read_at: float) -> None:
+        entry.info, entry.info_read_at, entry.info_remembered = info, read_at, False
         self._on_resources(entry.name, entry.resources(self.ram_reserve))
+
+    def _remember(self, entry: HostEntry) -> None:
+        """Keep a freshly read inventory for the next start (the host must be recorded)."""
+        if entry.info is not None and not entry.info_remembered:
+            self.store.put_host_inventory(entry.name, entry.info)
 
     async def _disconnect(self, entry: HostEntry) -> None:
         await self._close_bus(entry)
@@ -243,6 +288,7 @@ class HostRegistry:
                 entry.next_attempt = time.monotonic() + entry.backoff
                 log.info("host %s: reconnect failed (%s); next try in %.0fs", entry.name, exc.code, entry.backoff)
                 return
+            self._remember(entry)
             log.info("host %s is reachable again; reconciling its units", entry.name)
             try:
                 await self._on_online(entry.name)
@@ -417,6 +463,7 @@ class HostRegistry:
                                     code="unified_memory_unknown", status=400)
             entry.record = self.store.put_host(name, "ssh", address=target, port=port, identity=identity,
                                                known_hosts=known_hosts, unified_memory=unified_memory)
+            self._remember(entry)
             entry.state = ONLINE
             entry.reason = None
             self.entries[name] = entry
@@ -453,7 +500,7 @@ class HostRegistry:
         info = entry.info or {}
         row: dict[str, Any] = {"name": name, "kind": entry.kind, "state": entry.state, "reason": entry.reason,
                                "since": entry.since, "target": entry.record.address if entry.record else None,
-                               "hostname": info.get("hostname"),
+                               "hostname": info.get("hostname"), "inventory_read_at": entry.info_read_at,
                                "unified_memory": entry.record.unified_memory if entry.record else None}
         gpus = info.get("gpus") or []
         row["gpus"] = len(gpus)

@@ -79,4 +79,13 @@ MIGRATIONS: list[str] = [
         updated_at  REAL NOT NULL
     );
     """,
+    # 5: each SSH host's last inventory (`capyctl host-info --json`), so that a restart adopts a
+    # host's units on its handshake and bus alone and reads the inventory again afterwards
+    """
+    CREATE TABLE host_inventories (
+        host        TEXT PRIMARY KEY REFERENCES hosts(name) ON DELETE CASCADE,
+        info_json   TEXT NOT NULL,
+        read_at     REAL NOT NULL
+    );
+    """,
 ]

@@ -344,6 +344,17 @@ class Store:
             hosts.append(Host(**fields))
         return hosts
 
+    def put_host_inventory(self, host: str, info: dict) -> None:
+        """Record the inventory just read from ``host`` (the one its next start begins with)."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO host_inventories(host, info_json, read_at) VALUES (?,?,?)",
+                       (host, json.dumps(info), time.time()))
+
+    def host_inventory(self, host: str) -> tuple[dict, float] | None:
+        """The last inventory read from ``host`` and when, or None."""
+        rows = self._rows("SELECT info_json, read_at FROM host_inventories WHERE host=?", host)
+        return (json.loads(rows[0]["info_json"]), rows[0]["read_at"]) if rows else None
+
     # -- park records (tier reached, wake seconds, proof after wake) ----------------------------
 
     def put_park_record(self, deployment: str, record: dict) -> None:

@@ -9,6 +9,7 @@ in the server's network namespace.
 
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import openai
@@ -85,6 +86,7 @@ def test_one_deployment_on_each_of_three_hosts_answers_through_the_server(three_
     invocations = {label: rig.host(label).exec("systemctl", "show", "-P", "InvocationID",
                                                 f"capyctl-instant-{label}.service").stdout.strip()
                    for label in labels}
+    restarted = time.time()
     daemon.restart()
     assert all(h["state"] == "online" for h in daemon.cli_json("list", "hosts"))
     listed = {d["name"]: d for d in daemon.cli_json("list", "deployments")}
@@ -93,6 +95,19 @@ def test_one_deployment_on_each_of_three_hosts_answers_through_the_server(three_
                                                         f"capyctl-instant-{label}.service").stdout.strip()
                            for label in labels}  # adopted, not started again
     assert "is reachable again" not in daemon.journal(400)
+    # Adopting waited for no inventory: each host's is the one the last daemon read, read again in
+    # the background only after its unit was adopted.
+    for _ in range(100):
+        lines = daemon.journal(400, f"--since=@{int(restarted)}").splitlines()
+        if all(any(f"host {label}: inventory read again" in line for line in lines) for label in labels):
+            break
+        time.sleep(0.1)
+    for label in labels:
+        def at(text: str) -> int:
+            return next((i for i, line in enumerate(lines) if text in line), -1)
+        assert 0 <= at(f"deployment instant-{label}: ") < at(f"host {label}: inventory read again"), lines
+    assert all(h["inventory_read_at"] > restarted for h in daemon.cli_json("list", "hosts")
+               if h["name"] != "local")
 
     for label in labels:
         daemon.cli("delete", "deployment", f"instant-{label}")

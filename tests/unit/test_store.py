@@ -128,3 +128,14 @@ def test_a_stored_registration_this_version_refuses_is_a_clear_error(tmp_path):
     with pytest.raises(CapyError) as err:
         store.get_engine("mine")
     assert err.value.code == "engine_registration_invalid" and "'mine'" in err.value.message
+
+
+def test_a_hosts_last_inventory_is_kept_and_goes_with_the_host(store):
+    assert store.host_inventory("b") is None
+    store.put_host("b", "ssh", address="10.0.0.2")
+    store.put_host_inventory("b", {"hostname": "b", "gpus": [], "ram_total": 1 << 30})
+    store.put_host_inventory("b", {"hostname": "b", "gpus": [], "ram_total": 2 << 30})
+    info, read_at = store.host_inventory("b")
+    assert info["ram_total"] == 2 << 30 and read_at > 0
+    store.remove_host("b")
+    assert store.host_inventory("b") is None
