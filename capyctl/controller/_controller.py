@@ -554,6 +554,10 @@ class Controller:
         finally:
             actor.requests.release()
 
+    async def engine_lost(self, upstream: Upstream) -> bool:
+        actor = self.actors.get(upstream.deployment)
+        return actor is not None and actor.spec.on_host_loss == "move" and await self.hosts.confirm_lost(upstream.host)
+
     def stats(self) -> dict[str, dict[str, float]]:
         return self.metrics.stats()
 

@@ -48,6 +48,9 @@ ONLINE, OFFLINE = "online", "offline"
 POLL_INTERVAL_S = 2.0
 RECONNECT_BACKOFF_MAX_S = 10.0
 START_CONNECTIONS = 16  # hosts connected at once when the daemon starts
+# How long a broken engine connection waits to see its host's SSH master end (confirm_lost): the
+# master closes its forwards as it dies, a moment before it exits.
+LOSS_CONFIRM_S = 1.0
 # Ports CapyCTL leases for engines on remote hosts (their loopback; never reachable from outside).
 REMOTE_PORT_RANGE = (20000, 60999)
 
@@ -270,13 +273,8 @@ class HostRegistry:
         assert entry.ssh is not None
         async with self._lock(entry.name):
             if entry.online:
-                if await entry.ssh.alive():
-                    return
-                self._mark_offline(entry, "the SSH connection was lost")
-                # Before the bus closes (which may take seconds): deployments that move must have
-                # their move queued before a request could find them ready on a dead connection.
-                await self._on_offline(entry.name)
-                await self._close_bus(entry)
+                if not await entry.ssh.alive():
+                    await self._lost(entry)
                 return
             if time.monotonic() < entry.next_attempt:
                 return
@@ -297,6 +295,28 @@ class HostRegistry:
             entry.state = ONLINE
             entry.reason = None
             entry.since = time.time()
+
+    async def _lost(self, entry: HostEntry) -> None:
+        """The master of an online host is gone (the host's lock held)."""
+        self._mark_offline(entry, "the SSH connection was lost")
+        # Before the bus closes (which may take seconds): deployments that move must have their
+        # move queued before a request could find them ready on a dead connection.
+        await self._on_offline(entry.name)
+        await self._close_bus(entry)
+
+    async def confirm_lost(self, name: str) -> bool:
+        """A connection to an engine on ``name`` broke: whether the host's SSH master is gone (now,
+        or within LOSS_CONFIRM_S), and if so the host is offline and its moves queued by the time
+        this returns, without waiting for the poller's next look."""
+        entry = self.entries.get(name)
+        if entry is None or entry.ssh is None:
+            return False
+        if entry.online and not await entry.ssh.ends_within(LOSS_CONFIRM_S):
+            return False  # the master runs: the engine itself broke the connection
+        async with self._lock(name):
+            if entry.online and not await entry.ssh.alive():
+                await self._lost(entry)
+        return not entry.online
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())

@@ -51,7 +51,7 @@ class UpstreamCache:
         d = self._deployment
         launch = d.launch_id
         port, unix_socket = address
-        common = dict(deployment=d.name, api_key=d.key, engine=d.controller.engine_kind(d.spec),
+        common = dict(deployment=d.name, host=d.host, api_key=d.key, engine=d.controller.engine_kind(d.spec),
                       capabilities=d.capabilities, served_model=d.served_model,
                       verdict=lambda: d.liveness.verdict(launch))
         if d.socket_path is not None:

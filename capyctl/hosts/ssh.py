@@ -86,6 +86,7 @@ class SshHost:
     ssh_binary: str = "ssh"
     _forwards: list[_Forward] = field(default_factory=list, init=False, repr=False)
     _master_pidfd: int | None = field(default=None, init=False, repr=False)  # see alive()
+    _master_exit: asyncio.Future | None = field(default=None, init=False, repr=False)  # see ends_within()
 
     def __post_init__(self) -> None:
         self.runtime_dir = Path(self.runtime_dir)
@@ -201,8 +202,38 @@ class SshHost:
                 self._master_pidfd = os.pidfd_open(int(match.group(1)))
         return True
 
+    async def ends_within(self, seconds: float) -> bool:
+        """Whether the master has ended, or ends within ``seconds``. Asked when a connection
+        through it broke: a master that dies closes its forwarded sockets a moment before it
+        exits, while an engine that died alone leaves the master running."""
+        if not await self.alive():
+            return True
+        if self._master_pidfd is None:  # no pidfd: one more look after the wait
+            await asyncio.sleep(seconds)
+            return not await self.alive()
+        if self._master_exit is None:  # one watch, however many ask at once
+            loop = asyncio.get_running_loop()
+            exited = self._master_exit = loop.create_future()
+            fd = self._master_pidfd
+
+            def ended() -> None:
+                loop.remove_reader(fd)
+                if not exited.done():
+                    exited.set_result(True)
+            loop.add_reader(fd, ended)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._master_exit), seconds)
+        except TimeoutError:
+            return False
+
     def _forget_master(self) -> None:
         fd, self._master_pidfd = self._master_pidfd, None
+        exited, self._master_exit = self._master_exit, None
+        if exited is not None:
+            with contextlib.suppress(Exception):  # (its loop may be closed already)
+                asyncio.get_running_loop().remove_reader(fd)
+            if not exited.done():
+                exited.set_result(True)  # forgotten because it ended, or was closed: gone either way
         if fd is not None:
             os.close(fd)
 

@@ -672,34 +672,47 @@ async def _json_route(request: web.Request) -> web.StreamResponse:
     return _answer_of(exchange)
 
 
-async def answer_json(exchange: Exchange, grant: KeyGrant | None, raw: bytes) -> None:
+async def answer_json(exchange: Exchange, grant: KeyGrant | None, raw: bytes, *, resend: bool = True) -> None:
     """Answer a JSON POST route of the table (its key already checked): the body's ``model``
-    selects the deployment. Errors are raised as CapyError, for the server to shape."""
+    selects the deployment. Errors are raised as CapyError, for the server to shape. With
+    ``resend``, a request whose engine was lost with its host before answering is sent once
+    more, to the deployment's new placement (Router.engine_lost)."""
     body, model = _parse_body(raw)
     entry = _admit_model(exchange, grant, model)
-    path = exchange.path
-    if path == "/v1/responses":
+    if exchange.path == "/v1/responses":
         exchange.responses_model = model  # its id is remembered from the answer (forward, _stream)
+    try:
+        await _answer_json_once(exchange, raw, body, model, entry, resend)
+    except EngineMoved as moved:
+        log.warning("proxy: %s", moved)
+        await _answer_json_once(exchange, raw, body, model, entry, False)
+
+
+async def _answer_json_once(exchange: Exchange, raw: bytes, body: dict[str, Any], model: str,
+                            entry: ModelEntry | None, resend: bool) -> None:
+    path = exchange.path
     lease = _admitted_at_once(exchange, model, JSON_ROUTES[path], path, entry)
     if lease is not None:  # ready and nothing queued: the common case
         upstream, release = lease
         try:
-            await forward(exchange, upstream, path, _payload_for(upstream, raw, body, model))
+            await forward(exchange, upstream, path, _payload_for(upstream, raw, body, model), resend=resend)
         finally:
             release()
         return
     progress = _wait_progress(exchange, body)
     if progress is None:
         async with _admitted(exchange, model, JSON_ROUTES[path], path, entry) as upstream:
-            await forward(exchange, upstream, path, _payload_for(upstream, raw, body, model))
+            await forward(exchange, upstream, path, _payload_for(upstream, raw, body, model), resend=resend)
         return
     try:
         async with _admitted(exchange, model, JSON_ROUTES[path], path, entry, progress) as upstream:
             payload = _payload_for(upstream, raw, body, model)
             if await progress.stop():
+                # (Not sent again: the comments committed this answer, and a resend's wait would
+                # need comments of its own.)
                 await _forward_after_comments(exchange, upstream, path, payload)
             else:
-                await forward(exchange, upstream, path, payload)
+                await forward(exchange, upstream, path, payload, resend=resend)
     except CapyError as err:
         if not await progress.stop():
             raise
@@ -883,11 +896,33 @@ def launch_key_refused(upstream: Upstream) -> CapyError:
                      code="engine_auth_failed", status=502)
 
 
+class EngineMoved(Exception):
+    """The engine was lost with its host before any of its answer reached the client, and its
+    deployment is moving to another host (Router.engine_lost): the request may be sent again."""
+
+    def __init__(self, upstream: Upstream, error: CapyError) -> None:
+        super().__init__(f"the engine of {upstream.deployment!r} was lost with host {upstream.host!r} before "
+                         "it answered; the request is sent again to the deployment's new placement")
+        self.error = error
+
+
 async def forward(exchange: Exchange, upstream: Upstream, path: str,
-                   payload: bytes | aiohttp.MultipartWriter, *, method: str = "POST") -> int:
-    """Send the request on and the engine's answer back to ``exchange.reply``; the answer's status."""
-    return await forward_answer(exchange, upstream, await _open_upstream(exchange, upstream, path, payload,
-                                                                         method=method))
+                  payload: bytes | aiohttp.MultipartWriter, *, method: str = "POST", resend: bool = False) -> int:
+    """Send the request on and the engine's answer back to ``exchange.reply``; the answer's status.
+    With ``resend``, a broken connection to an engine lost with its host raises EngineMoved."""
+    try:
+        return await forward_answer(exchange, upstream, await _open_upstream(exchange, upstream, path, payload,
+                                                                             method=method))
+    except CapyError as err:
+        # (A stream whose events began ends with its error event instead: it is never raised.)
+        if resend and err.code == "engine_unreachable" and await _engine_lost(exchange, upstream):
+            raise EngineMoved(upstream, err) from err
+        raise
+
+
+async def _engine_lost(exchange: Exchange, upstream: Upstream) -> bool:
+    engine_lost = getattr(exchange.state.router, "engine_lost", None)  # optional (Router)
+    return engine_lost is not None and await engine_lost(upstream)
 
 
 async def forward_answer(exchange: Exchange, upstream: Upstream,

@@ -60,6 +60,7 @@ from ._app import (
     STATE,
     STREAM_HEADERS,
     AdmittedAtOnce,
+    EngineMoved,
     EventRelay,
     Exchange,
     ProxyState,
@@ -530,8 +531,21 @@ class RequestCycle:
         except Exception:  # (not expected: a pooled connection's URL was good before) the task's way says why
             log.debug("proxy: sending without a task failed", exc_info=True)
         if self._response is None:
-            self._run_in_task(forward(self.exchange, upstream, self._head.path, admitted.payload))
+            self._run_in_task(self._forward_admitted())
         return True
+
+    async def _forward_admitted(self) -> None:
+        """The request admitted at once, sent in a task (answer_json's way): once more to its
+        deployment's new placement if its engine was lost with its host (EngineMoved)."""
+        admitted = self._admitted
+        assert admitted is not None
+        try:
+            await forward(self.exchange, admitted.upstream, self._head.path, admitted.payload, resend=True)
+        except EngineMoved as moved:
+            log.warning("proxy: %s", moved)
+            self._admitted = None
+            admitted.release()  # (before waiting for the move: it is in flight nowhere)
+            await answer_json(self.exchange, authorize(self.exchange), self._body, resend=False)
 
     def on_head(self, response: EngineResponse) -> None:
         assert self._admitted is not None
@@ -581,8 +595,7 @@ class RequestCycle:
             # way sends it once more, on a new connection (EnginePool.request).
             response.close()
             self._response = None
-            self._run_in_task(forward(self.exchange, self._admitted.upstream, self._head.path,
-                                      self._admitted.payload))
+            self._run_in_task(self._forward_admitted())
         else:
             self._fail(unreachable(self._admitted.upstream, error))
 

@@ -45,6 +45,7 @@ class Upstream:
     # engine): asked when the connection to the engine breaks, so the client gets that error
     # instead of a bare disconnect. None, or a callable answering None, when CapyCTL cut nothing.
     verdict: Callable[[], CapyError | None] | None = field(default=None, compare=False, repr=False)
+    host: str = "local"  # the host its engine runs on (Router.engine_lost)
 
 
 # Seconds a wake (or cold start) took, from the request that asked for it to ready. Wide on the
@@ -135,6 +136,13 @@ class Router(Protocol):
         Upstream and the call that releases it; else None (and nothing marked), and the proxy
         goes through ``acquire``, which waits, wakes or refuses. Saves the proxy two async
         context managers per request (benchmarks/proxy_hop.py's profile)."""
+
+    async def engine_lost(self, upstream: Upstream) -> bool:
+        """The connection to ``upstream``'s engine broke before any of its answer reached the
+        client. True when that engine was lost with its host and its deployment is moving to
+        another (on_host_loss: move): the proxy then sends the request once more through
+        ``acquire``, which waits for the move. False (the request's 502 stands) otherwise, an
+        engine that died on a host still connected included. May wait a moment to tell which."""
 
     def wake_durations(self) -> dict[str, DurationCounts]:
         """Per deployment, how long its wakes and cold starts took (to ready)."""

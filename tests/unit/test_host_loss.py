@@ -158,3 +158,45 @@ async def test_a_group_never_moves(controller: Controller) -> None:
     actor.state, actor.host = DeploymentState.READY, "b"
     actor.host_lost("b")
     assert not actor.has_pending_commands
+
+
+class Master:
+    """Host b's SSH master as confirm_lost sees it: ending (its host lost) or running."""
+
+    def __init__(self, ending: bool) -> None:
+        self.ending = ending
+        self.asked = 0
+
+    async def alive(self) -> bool:
+        return not self.ending
+
+    async def ends_within(self, seconds: float) -> bool:
+        self.asked += 1
+        return self.ending
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("on_host_loss,ending,moved", [("move", True, True), ("move", False, False),
+                                                       ("wait", True, False)])
+async def test_a_broken_engine_connection_confirms_a_loss_without_the_poller(
+        controller: Controller, monkeypatch, on_host_loss: str, ending: bool, moved: bool) -> None:
+    # The proxy asks (Router.engine_lost) when a request's engine connection broke before its answer:
+    # it sends the request again only to a deployment moving off a host whose master has ended.
+    hold = asyncio.Event()
+
+    async def wake(self, progress=None, for_requests=False):
+        await hold.wait()
+        return self.state
+
+    monkeypatch.setattr(DeploymentActor, "_do_wake", wake)
+    actor = _serving_on_b(controller, on_host_loss)
+    master = controller.hosts.entries["b"].ssh = Master(ending)
+    assert await controller.engine_lost(actor.upstream()) is moved
+    assert controller.hosts.entries["b"].online is not moved
+    assert master.asked == (1 if on_host_loss == "move" else 0)
+    if moved:  # offline, and the move queued, before the proxy asks for the deployment again
+        assert actor.has_pending_commands and controller.placement_error(actor) is None
+        assert await controller.engine_lost(actor.upstream())  # a second request: known already
+    hold.set()

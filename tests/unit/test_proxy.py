@@ -7,6 +7,7 @@ proxy runs on a real loopback socket through ``serve`` exactly as the daemon run
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -123,6 +124,8 @@ class FakeRouter:
         self.in_flight = 0
         self.released = 0
         self.at_once = True  # try_acquire answers (as the Controller's does); False: acquire() alone
+        self.moves: dict[str, Upstream] = {}  # deployment -> where engine_lost moves it
+        self.lost_asked: list[str] = []  # the hosts engine_lost was asked about
 
     def models(self) -> list[ModelEntry]:
         return [ModelEntry(id=name, deployment=up.deployment, state="ready", engine=up.engine, created=1700000000)
@@ -164,6 +167,18 @@ class FakeRouter:
             self.in_flight -= 1
             self.released += 1
         return self.upstreams[model], release
+
+    async def engine_lost(self, upstream: Upstream) -> bool:
+        # As the Controller's: True when the deployment moves (its host lost), its new placement
+        # then given by acquire(); False for an engine that broke the connection by itself.
+        self.lost_asked.append(upstream.host)
+        moved = self.moves.pop(upstream.deployment, None)
+        if moved is None:
+            return False
+        for model, up in list(self.upstreams.items()):
+            if up.deployment == upstream.deployment:
+                self.upstreams[model] = moved
+        return True
 
     def stats(self) -> dict[str, dict[str, float]]:
         return {up.deployment: {"queue_depth": self.waiting, "in_flight": self.in_flight, "wakes": 2, "parks": 1}
@@ -430,6 +445,58 @@ async def test_unreachable_engine_is_502_before_headers(setup: Setup, http: aioh
         error = await error_of(response)
         assert (error["code"], error["type"]) == ("engine_unreachable", "server_error")
     assert setup.router.in_flight == 0
+
+
+@asynccontextmanager
+async def engine_lost_with_its_host() -> AsyncIterator[int]:
+    """A port whose engine reads a request and hangs up without a word, as an SSH forward does
+    when the master carrying it dies with the host's link; the port."""
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        writer.transport.abort()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("at_once", [True, False], ids=["admitted-at-once", "admitted-by-acquire"])
+async def test_a_request_whose_engine_was_lost_with_its_host_is_sent_again_to_its_new_placement(
+        setup: Setup, http: aiohttp.ClientSession, stream: bool, at_once: bool) -> None:
+    setup.router.at_once = at_once
+    setup.fake.release_second_chunk.set()
+    new_placement = setup.router.upstreams["model-a"]
+    async with engine_lost_with_its_host() as port:
+        setup.router.upstreams["model-a"] = dataclasses.replace(new_placement, base_url=f"http://127.0.0.1:{port}",
+                                                                host="b")
+        setup.router.moves["dep-a"] = new_placement
+        async with http.post(setup.url + "/v1/chat/completions", headers=auth(),
+                             json={"model": "model-a", "stream": stream}) as response:
+            assert response.status == 200, await response.text()
+            body = await response.read()
+    assert (b"data: [DONE]" in body) if stream else body == setup.fake.body
+    assert setup.router.lost_asked == ["b"]
+    assert len(setup.fake.requests) == 1  # answered by the new placement, once
+    assert setup.router.in_flight == 0 and setup.router.released == 2
+
+
+async def test_a_broken_engine_on_a_connected_host_is_not_sent_again(setup: Setup, http: aiohttp.ClientSession) -> None:
+    # Router.engine_lost says no (the host's connection lives: the engine broke it) or the new
+    # placement broke as well: the 502 stands, after one resend at most.
+    async with engine_lost_with_its_host() as port:
+        lost = dataclasses.replace(setup.router.upstreams["model-a"], base_url=f"http://127.0.0.1:{port}", host="b")
+        for moves, asked in (({}, ["b"]), ({"dep-a": lost}, ["b"])):
+            setup.router.upstreams["model-a"], setup.router.moves, setup.router.lost_asked = lost, moves, []
+            async with http.post(setup.url + "/v1/chat/completions", headers=auth(),
+                                 json={"model": "model-a"}) as response:
+                assert response.status == 502
+                assert (await error_of(response))["code"] == "engine_unreachable"
+            assert setup.router.lost_asked == asked
+    assert setup.fake.requests == [] and setup.router.in_flight == 0
 
 
 # ---------------------------------------------------------------- streaming

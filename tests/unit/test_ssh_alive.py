@@ -57,3 +57,32 @@ async def test_without_a_pid_in_its_answer_each_look_asks_ssh(tmp_path: Path) ->
     host.control_path.touch()
     assert await host.alive() and await host.alive()
     assert runs.read_text().count("run") == 2
+
+
+async def test_ends_within_tells_a_master_that_is_ending_from_one_that_runs(tmp_path: Path) -> None:
+    # Asked by every request whose engine connection broke at once: one watch answers them all.
+    import asyncio
+    import time
+
+    master = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ssh, _ = _stand_in(tmp_path, master.pid)
+        host = SshHost("b", "root@10.0.0.2", runtime_dir=tmp_path / "run", ssh_binary=str(ssh))
+        host.runtime_dir.mkdir()
+        host.control_path.touch()
+        started = time.monotonic()
+        assert await asyncio.gather(*(host.ends_within(0.2) for _ in range(3))) == [False] * 3
+        assert time.monotonic() - started < 1.0  # the three waited together
+        asking = asyncio.gather(*(host.ends_within(10) for _ in range(3)))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        master.kill()
+        assert await asking == [True] * 3
+        assert time.monotonic() - started < 5  # as it exited, not at the end of the wait
+        master.wait()
+        ssh.write_text("#!/bin/sh\nexit 255\n")  # and the master no longer answers
+        assert await host.ends_within(0.1)  # ended: at once
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
