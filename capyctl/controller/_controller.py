@@ -159,8 +159,10 @@ class Controller:
             self._idle_task.cancel()
         if stop_units:
             await asyncio.gather(*(a.submit(Command.STOP) for a in self.actors.values()), return_exceptions=True)
-        await asyncio.gather(*(a.close() for a in self.actors.values()), return_exceptions=True)
+        # Remote buses first (their SSH masters end with the daemon): a unit watch cancelled next
+        # finds its bus closed, and writes nothing to a dead connection.
         await self.hosts.close()
+        await asyncio.gather(*(a.close() for a in self.actors.values()), return_exceptions=True)
         if self.http:
             await self.http.close()
 

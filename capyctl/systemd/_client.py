@@ -228,8 +228,12 @@ class SystemdClient:
         self._match_refs[rule] -= 1
         if self._match_refs[rule] == 0:
             del self._match_refs[rule]
-            with contextlib.suppress(Exception):
-                await remove_match(self._bus, rule)
+            # A bus already gone holds no rule. (A remote host's bus goes with its SSH master, which
+            # the daemon's stop ends at once: a RemoveMatch written to it then fails in dbus_fast's
+            # writer, whose error no one awaits, and asyncio logs it as an ERROR.)
+            if self._bus.connected:
+                with contextlib.suppress(Exception):
+                    await remove_match(self._bus, rule)
 
     # -- reading -----------------------------------------------------------------
 

@@ -95,6 +95,9 @@ def test_one_deployment_on_each_of_three_hosts_answers_through_the_server(three_
                                                         f"capyctl-instant-{label}.service").stdout.strip()
                            for label in labels}  # adopted, not started again
     assert "is reachable again" not in daemon.journal(400)
+    # The old daemon's stop, with the SSH masters it ends, logged no error.
+    stopping = daemon.journal(400, f"--since=@{int(restarted)}")
+    assert "ERROR" not in stopping, stopping
     # Adopting waited for no inventory: each host's is the one the last daemon read, read again in
     # the background only after its unit was adopted.
     for _ in range(100):
