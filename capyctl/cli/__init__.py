@@ -16,7 +16,7 @@ import argcomplete
 
 from .. import __version__
 from ..errors import CapyError
-from ..spec import DeploymentSpec, ManifestError, load_manifest
+from ..spec import DeploymentSpec, EngineSpec, ManifestError, load_manifest
 from ._client import ApiClient
 from ._output import error, human_age, human_bytes, print_json, print_table
 
@@ -157,6 +157,13 @@ def _row(d: dict) -> list:
             d.get("reason") or ""]
 
 
+def spec_body(spec: DeploymentSpec | EngineSpec) -> dict:
+    """A manifest as the API receives it: what differs from the defaults, which the daemon fills
+    in again. A daemon older than this CLI then accepts every manifest that uses none of the
+    fields it does not know, rather than refusing a field sent only with its default."""
+    return spec.model_dump(mode="json", exclude_defaults=True)
+
+
 def cmd_deploy(args) -> int:
     try:
         spec = load_manifest(args.file)
@@ -166,7 +173,7 @@ def cmd_deploy(args) -> int:
     if not isinstance(spec, DeploymentSpec):
         error(f"{args.file} is an engine manifest; use 'capyctl engine add --file {args.file}'")
         return EXIT_USAGE
-    body = {"spec": spec.model_dump(mode="json"), "activate": args.activate, "wait": args.wait}
+    body = {"spec": spec_body(spec), "activate": args.activate, "wait": args.wait}
     client = ApiClient(args.api_socket)
     final = None
     for event in client.stream("POST", "/v1/deployments", body):
@@ -459,7 +466,7 @@ def cmd_mcp(args) -> int:
 def cmd_engine_add(args) -> int:
     body: dict = {"name": args.name}
     if args.file:
-        body["spec"] = load_manifest(args.file).model_dump(mode="json")
+        body["spec"] = spec_body(load_manifest(args.file))
     else:
         body["path"] = str(Path(args.path).resolve())
     e = ApiClient(args.api_socket).request("POST", "/v1/engines", body)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from capyctl.cli import spec_body
 from capyctl.spec import DeploymentSpec, EngineSpec, ManifestError, parse_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +61,8 @@ def test_yaml_example_validates(page: str, line: int, text: str) -> None:
     except ManifestError as exc:
         pytest.fail(f"the YAML example at docs/{page} line {line} is not a valid manifest:\n{exc}")
     assert isinstance(spec, (DeploymentSpec, EngineSpec))
+    # What the CLI sends the API (its defaults left out) is read back as the same manifest.
+    assert type(spec).model_validate(spec_body(spec)) == spec
 
 
 def test_extraction_finds_a_broken_example(tmp_path: Path) -> None:
@@ -96,3 +99,11 @@ def test_docs_links_point_to_existing_pages() -> None:
             if not (DOCS / target).is_file():
                 broken.append(f"{page.name} -> {target}")
     assert not broken, broken
+
+
+def test_the_cli_leaves_defaults_out_of_what_it_sends() -> None:
+    # A daemon older than the CLI refuses a field it does not know even at its default: a CLI that
+    # sent on_host_loss: wait with every manifest could drive no daemon from before the field.
+    base = "name: m\nengine: llama\nmodel: {path: /models/m.gguf}\n"
+    assert spec_body(parse_manifest(base)) == {"name": "m", "engine": "llama", "model": {"path": "/models/m.gguf"}}
+    assert spec_body(parse_manifest(base + "on_host_loss: move\n"))["on_host_loss"] == "move"
