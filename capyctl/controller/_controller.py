@@ -57,7 +57,7 @@ class Controller:
         self.memory = MemoryPlanner(config)
         self.turns = Turns(config)  # deployments waiting for room held by busy ones (_turns.py)
         self.hosts = HostRegistry(store, self.paths.runtime_dir, systemd, ram_reserve=config.host_ram_reserve,
-                                  on_offline=self._host_offline, on_online=self._host_online,
+                                  on_offline=self._host_offline, on_online=self.reconcile,
                                   on_resources=self._host_resources)
         self._placement_lock = asyncio.Lock()
         self.ports = PortLeases(self.hosts)  # engines' loopback ports (_ports.py)
@@ -277,16 +277,6 @@ class Controller:
         for actor in self.actors.values():
             if actor.host == host:
                 actor.host_lost(host)
-
-    async def _host_online(self, host: str) -> None:
-        # The poller marks the host online after this returns, so reconcile through its entry.
-        entry = self.hosts.get(host)
-        state, entry.state = entry.state, "online"
-        try:
-            await self.reconcile(host)
-        except BaseException:
-            entry.state = state
-            raise
 
     # -- what a deployment's actor asks of the controller; see _services.DeploymentServices --------
     # Delegations to the services that do the work (and to the host registry, for forwards): the

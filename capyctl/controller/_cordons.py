@@ -93,7 +93,7 @@ class Cordons:
                     return exc
         if placed:
             entry = self._hosts.entries.get(actor.host)
-            if entry is not None and not entry.online and not (actor.spec.on_host_loss == "move"
+            if entry is not None and not entry.connected and not (actor.spec.on_host_loss == "move"
                                                               and actor.has_pending_commands):
                 return self._hosts.offline_error(actor.host, actor.name)
             return None  # a deployment that moves off a lost host: requests wait for its wake elsewhere

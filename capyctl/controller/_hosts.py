@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("capyctl.hosts")
 
 LOCAL = "local"
-ONLINE, OFFLINE = "online", "offline"
+# RECONCILING: connected again after a loss, its units being adopted or stopped; nothing is
+# placed there until it is ONLINE, so that no new launch meets a unit the reconcile stops.
+ONLINE, RECONCILING, OFFLINE = "online", "reconciling", "offline"
 POLL_INTERVAL_S = 2.0
 RECONNECT_BACKOFF_MAX_S = 10.0
 START_CONNECTIONS = 16  # hosts connected at once when the daemon starts
@@ -84,7 +86,13 @@ class HostEntry:
 
     @property
     def online(self) -> bool:
+        """Usable, new placements included."""
         return self.state == ONLINE
+
+    @property
+    def connected(self) -> bool:
+        """Its bus and forwards may be used (online, or being reconciled)."""
+        return self.state in (ONLINE, RECONCILING)
 
     @property
     def remote(self) -> bool:
@@ -288,10 +296,14 @@ class HostRegistry:
                 return
             self._remember(entry)
             log.info("host %s is reachable again; reconciling its units", entry.name)
+            entry.state = RECONCILING
             try:
                 await self._on_online(entry.name)
             except CapyError as exc:
                 log.warning("host %s: reconcile after reconnect failed: %s", entry.name, exc)
+            except BaseException:
+                entry.state = OFFLINE  # connected, not reconciled: reconnected and reconciled next time
+                raise
             entry.state = ONLINE
             entry.reason = None
             entry.since = time.time()
@@ -336,14 +348,15 @@ class HostRegistry:
         return Unavailable(f"{who} is offline: {entry.reason or 'unreachable'}", code="host_offline",
                            retry_after=5, detail={"host": name})
 
-    def require_online(self, name: str, deployment: str | None = None) -> HostEntry:
+    def require_connected(self, name: str, deployment: str | None = None) -> HostEntry:
+        """The host's entry, if its bus and forwards may be used (online, or being reconciled)."""
         entry = self.get(name)
-        if not entry.online:
+        if not entry.connected:
             raise self.offline_error(name, deployment)
         return entry
 
     def systemd(self, name: str) -> Any:
-        entry = self.require_online(name)
+        entry = self.require_connected(name)
         if entry.systemd is None:
             raise self.offline_error(name)
         return entry.systemd
@@ -356,7 +369,7 @@ class HostRegistry:
     async def run(self, name: str, argv: list[str], *, input: bytes | None = None,
                   timeout: float = 60.0) -> tuple[int, bytes, bytes]:
         """Run argv on the host (locally for "local")."""
-        entry = self.require_online(name)
+        entry = self.require_connected(name)
         if entry.ssh is None:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
@@ -394,13 +407,13 @@ class HostRegistry:
         raise CapyError(f"no free loopback port on host {name!r}", code="no_port")
 
     async def forward_port(self, name: str, remote_port: int) -> int:
-        entry = self.require_online(name)
+        entry = self.require_connected(name)
         assert entry.ssh is not None
         return await entry.ssh.forward_tcp(remote_port)
 
     async def forward_socket(self, name: str, remote_path: str) -> str:
         """A local unix socket (0600: ssh's StreamLocalBindMask) relayed to ``remote_path`` on host ``name``."""
-        entry = self.require_online(name)
+        entry = self.require_connected(name)
         assert entry.ssh is not None
         return await entry.ssh.forward_unix(remote_path)
 
@@ -427,7 +440,7 @@ class HostRegistry:
 
     def ssh_prefix(self, name: str) -> list[str]:
         """argv prefix running a command on the host through its master (journalctl --follow)."""
-        entry = self.require_online(name)
+        entry = self.require_connected(name)
         assert entry.ssh is not None
         ssh = entry.ssh
         return [ssh.ssh_binary, *ssh._base_options(), "-o", "ControlMaster=no", "-T", ssh.target, "--"]

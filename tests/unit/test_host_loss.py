@@ -200,3 +200,29 @@ async def test_a_broken_engine_connection_confirms_a_loss_without_the_poller(
         assert actor.has_pending_commands and controller.placement_error(actor) is None
         assert await controller.engine_lost(actor.upstream())  # a second request: known already
     hold.set()
+
+
+async def test_nothing_is_placed_on_a_host_while_its_units_are_reconciled(controller: Controller,
+                                                                         monkeypatch) -> None:
+    # A wake placed on b while b's reconcile runs would start a unit of the very name the reconcile
+    # may be stopping there (the old copy of a deployment that moved): b is a candidate only once
+    # its reconcile is over; its bus is usable throughout.
+    spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b", "local"],
+                          on_host_loss="move")
+    actor = controller.actors["m"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
+    seen = []
+
+    class Reconciled(HostSystemd):
+        async def list_units(self, pattern: str = "capyctl-*.service") -> list[UnitState]:
+            seen.append((entry.state, controller.cordons.allowed_hosts(actor)))
+            return []
+
+    async def reconnected(entry: HostEntry, remembered=None) -> None:
+        entry.systemd = Reconciled([])
+
+    entry = controller.hosts.entries["b"]
+    entry.state, entry.ssh, entry.next_attempt = OFFLINE, Master(ending=False), 0.0
+    monkeypatch.setattr(controller.hosts, "_connect", reconnected)
+    await controller.hosts._poll(entry)  # the poller's reconnect
+    assert seen == [("reconciling", ("local",))]
+    assert entry.online and controller.cordons.allowed_hosts(actor) == ("b", "local")
