@@ -54,9 +54,9 @@ class FederatedDaemon:
         if out.returncode != 0:
             raise RuntimeError(f"the daemon did not start on host a: {out.stderr}\n{self.journal()}")
 
-    def journal(self, lines: int = 150) -> str:
+    def journal(self, lines: int = 150, *extra: str) -> str:
         return self.rig.a.exec("journalctl", "-u", "capytest-daemon.service", "-n", str(lines), "--no-pager",
-                               check=False).stdout
+                               *extra, check=False).stdout
 
     def stop(self) -> None:
         self.rig.a.exec("systemctl", "stop", "capytest-daemon.service", check=False)
@@ -334,6 +334,7 @@ def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(fede
 
     # Clients asking one request after another, through the cut and the move.
     outcomes: list[tuple[float, float, int, str]] = []  # (sent, ended, status, error code)
+    streams: list[tuple[int, str]] = []  # a streaming client's: (chunks seen, how it ended)
     stop = threading.Event()
 
     def client() -> None:
@@ -353,7 +354,26 @@ def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(fede
                 outcomes.append((sent, time.monotonic(), 0, type(exc).__name__))
             time.sleep(0.2)
 
+    def streaming_client() -> None:
+        with rig.a.entered():
+            api = openai.OpenAI(base_url=f"http://127.0.0.1:{PROXY_PORT}/v1", api_key=key, max_retries=0,
+                                timeout=120)
+        while not stop.is_set():
+            chunks, finish = 0, None
+            try:
+                with rig.a.entered():
+                    for chunk in api.chat.completions.create(
+                            model="mover", max_tokens=32, temperature=0, stream=True,
+                            messages=[{"role": "user", "content": "Count to twenty."}]):
+                        chunks += 1
+                        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+                streams.append((chunks, f"finished: {finish}"))
+            except openai.APIError as exc:
+                streams.append((chunks, f"error: {type(exc).__name__}"))
+            time.sleep(0.2)
+
     clients = [threading.Thread(target=client, daemon=True) for _ in range(3)]
+    clients.append(threading.Thread(target=streaming_client, daemon=True))
     for t in clients:
         t.start()
     time.sleep(3)
@@ -393,6 +413,11 @@ def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(fede
     assert sum(1 for sent, _, _, _ in outcomes if sent >= known) >= 3
     assert sum(1 for sent, _, _, _ in outcomes if sent < known) >= 3  # (three clients were mid-request)
     resent = daemon.journal(2000, f"--since=@{int(cut_at)}").count("is sent again to the deployment's new placement")
-    print(f"{how}: {resent} requests sent again")
+    print(f"{how}: {resent} requests sent again; streams: {sorted(set(streams))}")
+    # A stream ends whole, or with an error the client sees (one whose events had begun when its
+    # engine was lost: no replica could go on with it); never cut short in silence, never a hang.
+    assert streams and all(end in ("finished: length", "finished: stop") or end.startswith("error: ")
+                           for _, end in streams), streams
+    assert sum(1 for _, end in streams if end.startswith("error: ")) <= 1, streams  # the one in flight
     daemon.cli("delete", "deployment", "mover")
     assert _unit_on(rig.a, MOVE_UNIT) in ("inactive", "")
