@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -44,9 +45,30 @@ if TYPE_CHECKING:
 log = logging.getLogger("capyctl.hosts")
 
 LOCAL = "local"
-# RECONCILING: connected again after a loss, its units being adopted or stopped; nothing is
-# placed there until it is ONLINE, so that no new launch meets a unit the reconcile stops.
-ONLINE, RECONCILING, OFFLINE = "online", "reconciling", "offline"
+
+
+class HostState(StrEnum):
+    """An SSH host's connection, as `capyctl list hosts` shows it. One writer: HostRegistry._enter.
+
+        OFFLINE ──connect at start, host add──> ONLINE ──master gone──> OFFLINE
+        OFFLINE ──reconnect──> RECONCILING ──units adopted or stopped──> ONLINE
+                                           ──reconcile broke──> OFFLINE
+    """
+
+    ONLINE = "online"
+    # Connected again after a loss, its units being adopted or stopped: its bus and forwards are
+    # used, but nothing is placed there until it is ONLINE, so that no new launch meets a unit the
+    # reconcile stops.
+    RECONCILING = "reconciling"
+    OFFLINE = "offline"
+
+
+ONLINE, RECONCILING, OFFLINE = HostState.ONLINE, HostState.RECONCILING, HostState.OFFLINE
+HOST_TRANSITIONS: dict[HostState, frozenset[HostState]] = {
+    OFFLINE: frozenset({ONLINE, RECONCILING, OFFLINE}),  # (offline again: a new reason)
+    RECONCILING: frozenset({ONLINE, OFFLINE}),
+    ONLINE: frozenset({OFFLINE}),
+}
 POLL_INTERVAL_S = 2.0
 RECONNECT_BACKOFF_MAX_S = 10.0
 START_CONNECTIONS = 16  # hosts connected at once when the daemon starts
@@ -74,7 +96,7 @@ class HostEntry:
     systemd: "SystemdClient | None" = None
     ssh: SshHost | None = None
     record: Host | None = None
-    state: str = OFFLINE
+    state: HostState = OFFLINE  # written by HostRegistry._enter alone
     reason: str | None = None
     info: dict | None = None  # the host's `capyctl host-info --json`
     info_read_at: float | None = None
@@ -168,7 +190,7 @@ class HostRegistry:
                     self._mark_offline(entry, exc.message)
                     return
             self._remember(entry)
-            entry.state, entry.reason, entry.since = ONLINE, None, time.time()
+            self._enter(entry, ONLINE)
 
         await asyncio.gather(*(connect(entry) for entry in entries))
         self._poll_task = asyncio.create_task(self._poll_loop(), name="host-poller")
@@ -255,12 +277,16 @@ class HostRegistry:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.close(), 5)
 
+    @staticmethod
+    def _enter(entry: HostEntry, state: HostState, reason: str | None = None) -> None:
+        if state not in HOST_TRANSITIONS[entry.state]:
+            raise AssertionError(f"host {entry.name}: {entry.state} -> {state} is no transition of HostState")
+        entry.state, entry.reason, entry.since = state, reason, time.time()
+
     def _mark_offline(self, entry: HostEntry, reason: str) -> None:
         if entry.state != OFFLINE or entry.reason is None:
             log.warning("host %s is offline: %s", entry.name, reason)
-        entry.state = OFFLINE
-        entry.reason = reason
-        entry.since = time.time()
+        self._enter(entry, OFFLINE, reason)
         entry.backoff = 1.0
         entry.next_attempt = time.monotonic() + entry.backoff
 
@@ -296,17 +322,16 @@ class HostRegistry:
                 return
             self._remember(entry)
             log.info("host %s is reachable again; reconciling its units", entry.name)
-            entry.state = RECONCILING
+            self._enter(entry, RECONCILING)
             try:
                 await self._on_online(entry.name)
             except CapyError as exc:
                 log.warning("host %s: reconcile after reconnect failed: %s", entry.name, exc)
             except BaseException:
-                entry.state = OFFLINE  # connected, not reconciled: reconnected and reconciled next time
+                # Connected, not reconciled: reconnected and reconciled at the next look.
+                self._enter(entry, OFFLINE, "its reconcile after the reconnect broke off")
                 raise
-            entry.state = ONLINE
-            entry.reason = None
-            entry.since = time.time()
+            self._enter(entry, ONLINE)
 
     async def _lost(self, entry: HostEntry) -> None:
         """The master of an online host is gone (the host's lock held)."""
@@ -497,8 +522,7 @@ class HostRegistry:
             entry.record = self.store.put_host(name, "ssh", address=target, port=port, identity=identity,
                                                known_hosts=known_hosts, unified_memory=unified_memory)
             self._remember(entry)
-            entry.state = ONLINE
-            entry.reason = None
+            self._enter(entry, ONLINE)
             self.entries[name] = entry
         return entry
 

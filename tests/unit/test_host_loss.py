@@ -226,3 +226,13 @@ async def test_nothing_is_placed_on_a_host_while_its_units_are_reconciled(contro
     await controller.hosts._poll(entry)  # the poller's reconnect
     assert seen == [("reconciling", ("local",))]
     assert entry.online and controller.cordons.allowed_hosts(actor) == ("b", "local")
+
+
+def test_a_host_s_state_moves_only_along_its_table() -> None:
+    from capyctl.controller._hosts import RECONCILING, HostRegistry
+    entry = HostEntry("b", "ssh", state=ONLINE)
+    with pytest.raises(AssertionError, match="online -> reconciling"):
+        HostRegistry._enter(entry, RECONCILING)  # an online host is lost first, then reconnected
+    HostRegistry._enter(entry, OFFLINE, "the SSH connection was lost")
+    HostRegistry._enter(entry, RECONCILING)
+    assert (entry.state, entry.reason, entry.connected, entry.online) == ("reconciling", None, True, False)
