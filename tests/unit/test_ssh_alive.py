@@ -7,9 +7,15 @@ is tests/integration/test_ssh.py's (a cut link goes offline)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 from capyctl.hosts.ssh import SshHost
 
@@ -24,27 +30,45 @@ def _stand_in(tmp_path: Path, master_pid: int) -> tuple[Path, Path]:
     return ssh, runs
 
 
-async def test_alive_asks_ssh_once_then_watches_the_master_until_it_exits(tmp_path: Path) -> None:
-    master = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+@dataclass
+class Master:
+    host: SshHost
+    process: subprocess.Popen
+    ssh: Path  # the stand-in ssh
+    runs: Path  # a line each time it ran
+
+    def ends(self) -> None:
+        """The master exits, and ssh -O check no longer finds it."""
+        self.process.kill()
+        self.process.wait()
+        self.ssh.write_text("#!/bin/sh\nexit 255\n")
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[Master]:
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        ssh, runs = _stand_in(tmp_path, master.pid)
+        ssh, runs = _stand_in(tmp_path, process.pid)
         host = SshHost("b", "root@10.0.0.2", runtime_dir=tmp_path / "run", ssh_binary=str(ssh))
         host.runtime_dir.mkdir()
         host.control_path.touch()  # the master's control socket, as far as alive() looks
-        assert await host.alive()
-        for _ in range(20):
-            assert await host.alive()
-        assert runs.read_text().count("run") == 1  # one ssh -O check, then the pidfd alone
-        master.kill()
-        master.wait()
-        ssh.write_text("#!/bin/sh\nexit 255\n")  # and the master no longer answers
-        assert not await host.alive()
-        host.control_path.unlink()
-        assert not await host.alive()
+        yield Master(host, process, ssh, runs)
     finally:
-        if master.poll() is None:
-            master.kill()
-            master.wait()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+async def test_alive_asks_ssh_once_then_watches_the_master_until_it_exits(master: Master) -> None:
+    host = master.host
+    assert await host.alive()
+    for _ in range(20):
+        assert await host.alive()
+    assert master.runs.read_text().count("run") == 1  # one ssh -O check, then the pidfd alone
+    master.ends()
+    assert not await host.alive()
+    host.control_path.unlink()
+    assert not await host.alive()
 
 
 async def test_without_a_pid_in_its_answer_each_look_asks_ssh(tmp_path: Path) -> None:
@@ -59,30 +83,16 @@ async def test_without_a_pid_in_its_answer_each_look_asks_ssh(tmp_path: Path) ->
     assert runs.read_text().count("run") == 2
 
 
-async def test_ends_within_tells_a_master_that_is_ending_from_one_that_runs(tmp_path: Path) -> None:
+async def test_ends_within_tells_a_master_that_is_ending_from_one_that_runs(master: Master) -> None:
     # Asked by every request whose engine connection broke at once: one watch answers them all.
-    import asyncio
-    import time
-
-    master = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        ssh, _ = _stand_in(tmp_path, master.pid)
-        host = SshHost("b", "root@10.0.0.2", runtime_dir=tmp_path / "run", ssh_binary=str(ssh))
-        host.runtime_dir.mkdir()
-        host.control_path.touch()
-        started = time.monotonic()
-        assert await asyncio.gather(*(host.ends_within(0.2) for _ in range(3))) == [False] * 3
-        assert time.monotonic() - started < 1.0  # the three waited together
-        asking = asyncio.gather(*(host.ends_within(10) for _ in range(3)))
-        await asyncio.sleep(0.1)
-        started = time.monotonic()
-        master.kill()
-        assert await asking == [True] * 3
-        assert time.monotonic() - started < 5  # as it exited, not at the end of the wait
-        master.wait()
-        ssh.write_text("#!/bin/sh\nexit 255\n")  # and the master no longer answers
-        assert await host.ends_within(0.1)  # ended: at once
-    finally:
-        if master.poll() is None:
-            master.kill()
-            master.wait()
+    host = master.host
+    started = time.monotonic()
+    assert await asyncio.gather(*(host.ends_within(0.2) for _ in range(3))) == [False] * 3
+    assert time.monotonic() - started < 1.0  # the three waited together
+    asking = asyncio.gather(*(host.ends_within(10) for _ in range(3)))
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    master.ends()
+    assert await asking == [True] * 3
+    assert time.monotonic() - started < 5  # as it exited, not at the end of the wait
+    assert await host.ends_within(0.1)  # ended: at once
