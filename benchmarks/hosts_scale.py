@@ -474,7 +474,7 @@ def measure(rig: ManyHostRig, n: int, args: argparse.Namespace, nginx: str, llam
         log(f"{n} hosts: all adopted {r['restart']['wall_s']:.1f} s after the restart")
     except Exception as exc:  # noqa: BLE001 - the size is reported with why, the others go on
         r["error"] = f"{type(exc).__name__}: {str(exc)[:600]}"
-        r["journal"] = daemon.journal(40)[-3000:]
+        r["journal"] = daemon.daemon_journal(40)[-3000:]
         log(f"{n} hosts: {r['error']}")
     finally:
         clean(daemon, hosts, names)

@@ -4,7 +4,6 @@ both the host and the sandbox see it (the sandbox has private /run and /tmp)."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -17,11 +16,11 @@ from pathlib import Path
 from typing import Iterator
 
 from tests.components import require_root
+from tests.daemon_cli import CAPYCTL, DaemonCli
 
 REPO = Path(__file__).resolve().parents[2]
 SANDBOX = REPO / "tests" / "sandbox" / "capy-sandbox"
 VENV_BIN = Path(sys.executable).parent
-CAPYCTL = VENV_BIN / "capyctl"
 
 
 def free_port() -> int:
@@ -84,7 +83,7 @@ def exec_start_pre(unit: Path = REPO / "units" / "capyctl.service") -> list[tupl
     return commands
 
 
-class CapyHost:
+class CapyHost(DaemonCli):
     def __init__(self, name: str | None = None, *, env: dict[str, str] | None = None) -> None:
         self.name = name or f"capy{secrets.token_hex(3)}"
         # Not under /tmp or /var/tmp: engine units run with PrivateTmp=yes and would not see it.
@@ -157,18 +156,7 @@ class CapyHost:
     def daemon_pid(self) -> int:
         return int(self.sh("systemctl", "show", "-P", "MainPID", "capytest-daemon.service").stdout.strip())
 
-    # -- the CLI, from the host ----------------------------------------------------------------------
-
-    def cli(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-        out = subprocess.run([str(CAPYCTL), "--api-socket", str(self.api_socket), *args], capture_output=True,
-                             text=True, timeout=timeout)
-        if check and out.returncode != 0:
-            raise AssertionError(f"capyctl {' '.join(args)} exited {out.returncode}:\n{out.stderr}\n"
-                                 f"--- daemon journal ---\n{self.daemon_journal()}")
-        return out
-
-    def cli_json(self, *args: str) -> object:
-        return json.loads(self.cli(*args, "--json").stdout)
+    # -- systemctl, from the host (the CLI: DaemonCli) -----------------------------------------------
 
     def unit_property(self, unit: str, prop: str) -> str:
         return self.sh("systemctl", "show", "-P", prop, unit, check=False).stdout.strip()

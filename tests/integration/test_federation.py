@@ -10,9 +10,7 @@ sends OpenAI requests from inside a's network namespace, where the proxy listens
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +19,7 @@ import openai
 import pytest
 
 from tests.components import missing
+from tests.daemon_cli import DaemonCli
 from tests.netns.rig import TwoHostRig, missing_requirements
 
 from .capyhost import CAPYCTL, llama_server_path, smollm2_path
@@ -34,7 +33,7 @@ PROXY_PORT = 18000  # a's network namespace is new: nothing else listens there
 STATE_CHANGE_BOUND_S = 90.0
 
 
-class FederatedDaemon:
+class FederatedDaemon(DaemonCli):
     """The daemon on host a, its state outside /tmp and /var/tmp (engine units use PrivateTmp)."""
 
     def __init__(self, rig: TwoHostRig) -> None:
@@ -52,9 +51,9 @@ class FederatedDaemon:
                 str(CAPYCTL), "start", "standalone", "--listen", f"127.0.0.1:{PROXY_PORT}"]
         out = self.rig.a.exec(*argv, check=False, timeout=90)
         if out.returncode != 0:
-            raise RuntimeError(f"the daemon did not start on host a: {out.stderr}\n{self.journal()}")
+            raise RuntimeError(f"the daemon did not start on host a: {out.stderr}\n{self.daemon_journal()}")
 
-    def journal(self, lines: int = 150, *extra: str) -> str:
+    def daemon_journal(self, lines: int = 150, *extra: str) -> str:
         return self.rig.a.exec("journalctl", "-u", "capytest-daemon.service", "-n", str(lines), "--no-pager",
                                *extra, check=False).stdout
 
@@ -62,24 +61,13 @@ class FederatedDaemon:
         self.rig.a.exec("systemctl", "stop", "capytest-daemon.service", check=False)
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        out = subprocess.run([str(CAPYCTL), "--api-socket", str(self.api_socket), *args], capture_output=True,
-                             text=True, timeout=300)
-        if check and out.returncode != 0:
-            raise AssertionError(f"capyctl {' '.join(args)} exited {out.returncode}:\n{out.stderr}\n"
-                                 f"--- daemon journal ---\n{self.journal()}")
-        return out
-
-    def cli_json(self, *args: str):
-        return json.loads(self.cli(*args, "--json").stdout)
-
     def host_state(self, name: str) -> str:
         return {h["name"]: h for h in self.cli_json("host", "list")}[name]["state"]
 
     def wait_host_state(self, name: str, state: str) -> None:
         deadline = time.monotonic() + STATE_CHANGE_BOUND_S
         while self.host_state(name) != state:
-            assert time.monotonic() < deadline, f"host {name} never became {state}:\n{self.journal()}"
+            assert time.monotonic() < deadline, f"host {name} never became {state}:\n{self.daemon_journal()}"
             time.sleep(1)
 
 
@@ -98,7 +86,7 @@ def federation() -> Iterator[tuple[TwoHostRig, FederatedDaemon]]:
             daemon.start()
             yield rig, daemon
         finally:
-            print(daemon.journal(300))
+            print(daemon.daemon_journal(300))
             daemon.stop()
 
 
@@ -262,7 +250,7 @@ def _run_group_scenario(rig: TwoHostRig, daemon: FederatedDaemon, unit: str) -> 
     rig.b.exec("systemctl", "kill", "--signal=KILL", unit)
     deadline = time.monotonic() + 60
     while daemon.cli_json("status", "deployment", "grp")["state"] != "failed":
-        assert time.monotonic() < deadline, daemon.journal()
+        assert time.monotonic() < deadline, daemon.daemon_journal()
         time.sleep(0.5)
     reason = daemon.cli_json("status", "deployment", "grp")["reason"]
     assert "group_member_failed" in reason and "'gb'" in reason and "rank 1" in reason, reason
@@ -385,7 +373,7 @@ def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(fede
         deadline = time.monotonic() + STATE_CHANGE_BOUND_S
         while (lambda st: (st["state"], st["hosts"]))(daemon.cli_json("status", "deployment", "mover")) \
                 != ("ready", ["local"]):
-            assert time.monotonic() < deadline, daemon.journal()
+            assert time.monotonic() < deadline, daemon.daemon_journal()
             time.sleep(0.5)
         moved = time.monotonic() - cut
         assert _unit_on(rig.a, MOVE_UNIT) == "active"
@@ -412,7 +400,7 @@ def test_a_lost_host_s_deployment_that_may_move_is_served_from_another_host(fede
     assert all(status == 200 for _, _, status, _ in outcomes), outcomes
     assert sum(1 for sent, _, _, _ in outcomes if sent >= known) >= 3
     assert sum(1 for sent, _, _, _ in outcomes if sent < known) >= 3  # (three clients were mid-request)
-    resent = daemon.journal(2000, f"--since=@{int(cut_at)}").count("is sent again to the deployment's new placement")
+    resent = daemon.daemon_journal(2000, f"--since=@{int(cut_at)}").count("is sent again to the deployment's new placement")
     print(f"{how}: {resent} requests sent again; streams: {sorted(set(streams))}")
     # A stream ends whole, or with an error the client sees (one whose events had begun when its
     # engine was lost: no replica could go on with it); never cut short in silence, never a hang.

@@ -33,7 +33,7 @@ def three_hosts() -> Iterator[tuple[ManyHostRig, RigDaemon]]:
         try:
             yield rig, daemon
         finally:
-            print(daemon.journal(300))
+            print(daemon.daemon_journal(300))
 
 
 def unit_state(rig: ManyHostRig, label: str, unit: str) -> str:
@@ -94,14 +94,14 @@ def test_one_deployment_on_each_of_three_hosts_answers_through_the_server(three_
     assert invocations == {label: rig.host(label).exec("systemctl", "show", "-P", "InvocationID",
                                                         f"capyctl-instant-{label}.service").stdout.strip()
                            for label in labels}  # adopted, not started again
-    assert "is reachable again" not in daemon.journal(400)
+    assert "is reachable again" not in daemon.daemon_journal(400)
     # The old daemon's stop, with the SSH masters it ends, logged no error.
-    stopping = daemon.journal(400, f"--since=@{int(restarted)}")
+    stopping = daemon.daemon_journal(400, f"--since=@{int(restarted)}")
     assert "ERROR" not in stopping, stopping
     # Adopting waited for no inventory: each host's is the one the last daemon read, read again in
     # the background only after its unit was adopted.
     for _ in range(100):
-        lines = daemon.journal(400, f"--since=@{int(restarted)}").splitlines()
+        lines = daemon.daemon_journal(400, f"--since=@{int(restarted)}").splitlines()
         if all(any(f"host {label}: inventory read again" in line for line in lines) for label in labels):
             break
         time.sleep(0.1)

@@ -41,7 +41,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from tests.netns.rig import SANDBOX, NetHost, _run, entered_netns, missing_requirements, start_sshd
+from tests.daemon_cli import CAPYCTL, DaemonCli
+from tests.netns.rig import (SANDBOX, NetHost, Rig, _run, delete_netns, entered_netns, missing_requirements,
+                             start_sshd, stop_sandboxes)
 
 __all__ = ["ManyHostRig", "RigDaemon", "down_run", "missing_requirements", "write_instant_engine"]
 
@@ -50,7 +52,6 @@ SERVER_OCTET = 254
 BRIDGE = "br0"
 UPLINK = "uplink"  # every host's end of its veth pair, inside its own namespace
 MAX_HOSTS = 250
-CAPYCTL = Path(sys.executable).parent / "capyctl"
 DAEMON_UNIT = "capytest-daemon.service"
 PROXY_PORT = 18000  # the server's namespace is new: nothing else listens there
 _RUN_ID = re.compile(r"[0-9a-z]{1,12}")
@@ -131,7 +132,7 @@ def proc_comm(pid: int) -> str:
     return "?"
 
 
-class ManyHostRig:
+class ManyHostRig(Rig):
     """Build with ``ManyHostRig(n).up()``, always ``down()`` (also after a failed ``up``); or
     ``with ManyHostRig(n) as rig:``."""
 
@@ -282,37 +283,12 @@ class ManyHostRig:
         with self._lock:
             sandboxes, self._sandboxes_made = list(self._sandboxes_made), []
         netns, self._netns_made = list(self._netns_made), []
-        errors = _stop_sandboxes(sandboxes, self.workers)
-        for name in reversed(netns):
-            proc = _run("ip", "netns", "del", name, check=False)
-            if proc.returncode != 0:
-                errors.append(proc.stderr.strip())
+        errors = stop_sandboxes(sandboxes, self.workers) + delete_netns(netns[::-1])
         shutil.rmtree(self.dir, ignore_errors=True)
         # The directory of the daemons run on its server (RigDaemon), if any was.
         shutil.rmtree(daemon_root(self.run_id), ignore_errors=True)
         if errors:
             raise RuntimeError("many-host rig teardown: " + "; ".join(errors))
-
-    def __enter__(self) -> "ManyHostRig":
-        try:
-            return self.up()
-        except BaseException:
-            self.down()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()
-
-
-def _stop_sandboxes(names: list[str], workers: int = 8) -> list[str]:
-    def stop(name: str) -> str | None:
-        proc = _run(str(SANDBOX), "stop", name, check=False, timeout=120)
-        return proc.stderr.strip() or f"stopping {name} failed" if proc.returncode != 0 else None
-
-    if not names:
-        return []
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return [e for e in pool.map(stop, names) if e]
 
 
 def runs() -> list[str]:
@@ -338,14 +314,9 @@ def down_run(run_id: str) -> list[str]:
     server, prefix = _names(run_id)
     ours = re.compile(rf"{re.escape(server)}|{re.escape(prefix)}\d+")
     sandboxes = [s for s in _run(str(SANDBOX), "list", check=False).stdout.split() if ours.fullmatch(s)]
-    # The sandboxes before their namespaces: `ip netns del` only unmounts a name, the namespace
-    # lives on while a process is in it (ip-netns(8)).
-    errors = _stop_sandboxes(sandboxes)
+    errors = stop_sandboxes(sandboxes)  # (before their namespaces: delete_netns)
     netns = [n for n in _run("ip", "netns", "list", check=False).stdout.split() if ours.fullmatch(n)]
-    for name in netns:
-        proc = _run("ip", "netns", "del", name, check=False)
-        if proc.returncode != 0:
-            errors.append(proc.stderr.strip())
+    errors += delete_netns(netns)
     removed = [f"sandbox {s}" for s in sandboxes] + [f"netns {n}" for n in netns]
     for path in (rig_dir(run_id), daemon_root(run_id)):
         if path.exists():
@@ -358,7 +329,7 @@ def down_run(run_id: str) -> list[str]:
 
 # -- the daemon on the server ------------------------------------------------------------------------
 
-class RigDaemon:
+class RigDaemon(DaemonCli):
     """The CapyCTL daemon as a service of the server's systemd, its state under
     /var/lib/capyctl-tests (``suffix`` gives each daemon of one rig a directory of its own)."""
 
@@ -388,12 +359,12 @@ class RigDaemon:
                 str(CAPYCTL), "start", "standalone", "--listen", f"127.0.0.1:{PROXY_PORT}"]
         out = self.exec(*argv, check=False, timeout=timeout + 30)
         if out.returncode != 0:
-            raise RuntimeError(f"the daemon did not start on the server: {out.stderr}\n{self.journal()}")
+            raise RuntimeError(f"the daemon did not start on the server: {out.stderr}\n{self.daemon_journal()}")
 
     def exec(self, *argv: str, check: bool = True, timeout: float = 90) -> subprocess.CompletedProcess:
         return self.rig.server.exec(*argv, check=check, timeout=timeout)
 
-    def journal(self, lines: int = 150, *extra: str) -> str:
+    def daemon_journal(self, lines: int = 150, *extra: str) -> str:
         return self.exec("journalctl", "-u", DAEMON_UNIT, "-n", str(lines), "--no-pager", *extra,
                          check=False).stdout
 
@@ -423,17 +394,6 @@ class RigDaemon:
                     if line.startswith("NSpid:") and int(line.split()[-1]) == inner:
                         return pid
         raise RuntimeError(f"no process of {DAEMON_UNIT} has PID {inner} in the server's sandbox")
-
-    def cli(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-        out = subprocess.run([str(CAPYCTL), "--api-socket", str(self.api_socket), *args], capture_output=True,
-                             text=True, timeout=timeout)
-        if check and out.returncode != 0:
-            raise AssertionError(f"capyctl {' '.join(args)} exited {out.returncode}:\n{out.stderr}\n"
-                                 f"--- daemon journal ---\n{self.journal()}")
-        return out
-
-    def cli_json(self, *args: str):
-        return json.loads(self.cli(*args, "--json").stdout)
 
     def add_hosts(self, hosts: list[NetHost], workers: int = 8) -> None:
         """``capyctl host add`` for each host, ``workers`` at a time, with the rig's key and known_hosts."""

@@ -17,6 +17,7 @@ network namespaces by name (which deletes the veth pair), its directory.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -146,7 +147,51 @@ def start_sshd(host: NetHost, client_key: Path, comment: str, unit: str = "capyf
     raise RuntimeError(f"sshd on host {host.label} did not answer: {journal.stdout}")
 
 
-class TwoHostRig:
+def stop_sandboxes(names: list[str], workers: int = 8) -> list[str]:
+    """Stop the sandboxes ``names``, ``workers`` at a time; the errors."""
+    def stop(name: str) -> str | None:
+        proc = _run(str(SANDBOX), "stop", name, check=False, timeout=120)
+        return proc.stderr.strip() or f"stopping {name} failed" if proc.returncode != 0 else None
+
+    if not names:
+        return []
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return [e for e in pool.map(stop, names) if e]
+
+
+def delete_netns(names: list[str]) -> list[str]:
+    """``ip netns del`` each of ``names``, in that order; the errors. (After the sandboxes in them
+    have stopped: `ip netns del` only unmounts a name, the namespace lives on while a process is
+    in it, ip-netns(8).)"""
+    errors = []
+    for name in names:
+        proc = _run("ip", "netns", "del", name, check=False)
+        if proc.returncode != 0:
+            errors.append(proc.stderr.strip())
+    return errors
+
+
+class Rig:
+    """A rig as a context manager: ``up()`` on entry, ``down()`` on exit and after a failed ``up``."""
+
+    def up(self):
+        raise NotImplementedError
+
+    def down(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            return self.up()
+        except BaseException:
+            self.down()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+class TwoHostRig(Rig):
     """Build with ``TwoHostRig().up()``, always ``down()`` (also after a failed ``up``)."""
 
     def __init__(self, run_id: str | None = None, with_sandbox_a: bool = True) -> None:
@@ -214,27 +259,10 @@ class TwoHostRig:
     # -- teardown --------------------------------------------------------------------------------
 
     def down(self) -> None:
-        errors = []
-        for name in reversed(self._sandboxes_made):
-            proc = _run(str(SANDBOX), "stop", name, check=False, timeout=120)
-            if proc.returncode != 0:
-                errors.append(proc.stderr.strip())
+        errors = stop_sandboxes(self._sandboxes_made[::-1], workers=1)
         self._sandboxes_made.clear()
-        for name in reversed(self._netns_made):
-            proc = _run("ip", "netns", "del", name, check=False)
-            if proc.returncode != 0:
-                errors.append(proc.stderr.strip())
+        errors += delete_netns(self._netns_made[::-1])
         self._netns_made.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
         if errors:
             raise RuntimeError("two-host rig teardown: " + "; ".join(errors))
-
-    def __enter__(self) -> "TwoHostRig":
-        try:
-            return self.up()
-        except BaseException:
-            self.down()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()
