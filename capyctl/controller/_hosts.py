@@ -71,7 +71,7 @@ HOST_TRANSITIONS: dict[HostState, frozenset[HostState]] = {
 }
 POLL_INTERVAL_S = 2.0
 RECONNECT_BACKOFF_MAX_S = 10.0
-START_CONNECTIONS = 16  # hosts connected at once when the daemon starts
+START_CONNECTIONS = 16  # SSH sessions opened at once when the daemon starts (connections, then inventories)
 # How long a broken engine connection waits to see its host's SSH master end (confirm_lost): the
 # master closes its forwards as it dies, a moment before it exits.
 LOSS_CONFIRM_S = 1.0
@@ -149,6 +149,18 @@ async def attribute_gpu_processes(systemd: Any, gpus: list[dict]) -> None:
                     proc["unit"], proc["deployment"] = unit, deployment
 
 
+async def _several_at_once(work: Callable[[HostEntry], Awaitable[None]], entries: list[HostEntry]) -> None:
+    """``work`` for every entry, at most START_CONNECTIONS at once: a big fleet does not open
+    all its SSH sessions together."""
+    slots = asyncio.Semaphore(START_CONNECTIONS)
+
+    async def one(entry: HostEntry) -> None:
+        async with slots:
+            await work(entry)
+
+    await asyncio.gather(*(one(entry) for entry in entries))
+
+
 class HostRegistry:
     """Every host by name. ``on_offline``/``on_online`` are the controller's callbacks."""
 
@@ -178,21 +190,18 @@ class HostRegistry:
             entry = self.entries[record.name] = HostEntry(record.name, "ssh", ssh=self._ssh_for(record),
                                                           record=record)
             entries.append(entry)
-        # One host after another, a restart waited for every handshake, bus and inventory in turn;
-        # at most START_CONNECTIONS at once keeps a big fleet from opening them all together.
-        slots = asyncio.Semaphore(START_CONNECTIONS)
 
         async def connect(entry: HostEntry) -> None:
-            async with slots:
-                try:
-                    await self._connect(entry, remembered=self.store.host_inventory(entry.name))
-                except CapyError as exc:
-                    self._mark_offline(entry, exc.message)
-                    return
+            try:
+                await self._connect(entry, remembered=self.store.host_inventory(entry.name))
+            except CapyError as exc:
+                self._mark_offline(entry, exc.message)
+                return
             self._remember(entry)
             self._enter(entry, ONLINE)
 
-        await asyncio.gather(*(connect(entry) for entry in entries))
+        # (One host after another, a restart waited for every handshake, bus and inventory in turn.)
+        await _several_at_once(connect, entries)
         self._poll_task = asyncio.create_task(self._poll_loop(), name="host-poller")
 
     def refresh_remembered(self) -> None:
@@ -203,10 +212,8 @@ class HostRegistry:
             self._refresh_task = asyncio.create_task(self._refresh(stale), name="host-inventories")
 
     async def _refresh(self, entries: list[HostEntry]) -> None:
-        slots = asyncio.Semaphore(START_CONNECTIONS)
-
         async def refresh(entry: HostEntry) -> None:
-            async with slots, self._lock(entry.name):
+            async with self._lock(entry.name):
                 if not entry.online or not entry.info_remembered or entry.ssh is None:
                     return  # gone offline: its reconnect reads the inventory afresh
                 try:
@@ -218,7 +225,7 @@ class HostRegistry:
                 self._remember(entry)
                 log.info("host %s: inventory read again", entry.name)
 
-        await asyncio.gather(*(refresh(entry) for entry in entries))
+        await _several_at_once(refresh, entries)
 
     async def close(self) -> None:
         for task in (self._poll_task, self._refresh_task):

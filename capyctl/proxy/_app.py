@@ -900,10 +900,9 @@ class EngineMoved(Exception):
     """The engine was lost with its host before any of its answer reached the client, and its
     deployment is moving to another host (Router.engine_lost): the request may be sent again."""
 
-    def __init__(self, upstream: Upstream, error: CapyError) -> None:
+    def __init__(self, upstream: Upstream) -> None:
         super().__init__(f"the engine of {upstream.deployment!r} was lost with host {upstream.host!r} before "
                          "it answered; the request is sent again to the deployment's new placement")
-        self.error = error
 
 
 async def forward(exchange: Exchange, upstream: Upstream, path: str,
@@ -916,7 +915,7 @@ async def forward(exchange: Exchange, upstream: Upstream, path: str,
     except CapyError as err:
         # (A stream whose events began ends with its error event instead: it is never raised.)
         if resend and err.code == "engine_unreachable" and await _engine_lost(exchange, upstream):
-            raise EngineMoved(upstream, err) from err
+            raise EngineMoved(upstream) from err
         raise
 
 
