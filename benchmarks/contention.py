@@ -174,6 +174,74 @@ def wakes_in(journal: str, names: Iterable[str], since: float) -> list[dict[str,
 
 # ---------------------------------------------------------------- the load
 
+# "deployment NAME: wake timeline {...}" (controller/_actor.py), logged once a wake's first answer
+# came (or it left ready without one): its phases, and the parks it evicted (controller/_timeline.py).
+_TIMELINE = re.compile(r"^(?P<t>\d+\.\d+) .*deployment (?P<name>\S+): wake timeline (?P<record>\{.*\})\s*$")
+
+
+def swaps_in(journal: str, names: Iterable[str], since: float) -> list[dict[str, Any]]:
+    """The timelines of the wakes of ``names`` after ``since`` that evicted another and answered:
+    the swaps of the window."""
+    wanted, out = set(names), []
+    for line in journal.splitlines():
+        match = _TIMELINE.match(line)
+        if match and match["name"] in wanted and float(match["t"]) >= since:
+            record = json.loads(match["record"])
+            if record.get("swap_seconds") is not None:
+                out.append({"deployment": match["name"], **record})
+    return out
+
+
+def swap_phases(swaps: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Median seconds of each phase over the swaps: the evicted deployment's park phases
+    ("park: ..."), the incoming wake's, and the swap itself (last answer to first answer). A phase
+    is the median over the swaps that had it."""
+    from capyctl.controller._timeline import phase_seconds
+    by_phase: dict[str, list[float]] = {}
+    for swap in swaps:
+        for evicted in swap.get("evicted") or []:
+            for phase, seconds in phase_seconds(evicted).items():
+                by_phase.setdefault(f"park: {phase}", []).append(seconds)
+        for phase, seconds in phase_seconds(swap).items():
+            by_phase.setdefault(phase, []).append(seconds)
+        by_phase.setdefault("swap", []).append(float(swap["swap_seconds"]))
+    return {phase: statistics.median(values) for phase, values in by_phase.items()}
+
+
+def engine_own_start(launch_command: dict[str, Any], out: Path, runs: int) -> list[float]:
+    """The engine's own start, by hand: the deployment's unit command line run directly (no unit,
+    no proxy, no key; capyctl/recipes/_runner.py's launch_direct), exec to the first answer of the
+    clients' request, asked again at once while it is refused or loading."""
+    import urllib.error
+    import urllib.request
+
+    import io
+
+    from capyctl.recipes._runner import StepLog, launch_direct, stop_direct
+    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+                       "temperature": 0}).encode()
+    seconds = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        proc, port = launch_direct(launch_command, out, 120.0, StepLog(stream=io.StringIO()))
+        try:
+            while True:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                                 headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as r:
+                        r.read()
+                    break
+                except (OSError, urllib.error.URLError):
+                    if proc.poll() is not None or time.perf_counter() - started > 120:
+                        raise RuntimeError(f"the engine started by hand gave no answer (exit {proc.poll()})")
+                    time.sleep(0.005)
+            seconds.append(time.perf_counter() - started)
+        finally:
+            stop_direct(proc)
+    return seconds
+
+
 async def _ask(http: Any, url: str, key: str, model: str) -> tuple[int, str | None]:
     import aiohttp
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0}
@@ -303,6 +371,10 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         journal = host.sh("journalctl", "-u", "capytest-daemon.service", "-u", "capyctl-*.service", "-o",
                           "short-unix", "--no-pager", check=False).stdout  # the engines' own lines too
         states = {d["name"]: [d.get("state"), d.get("reason")] for d in host.cli_json("list", "deployments")}
+        if scenario.models > 1 and args.own_start_runs:
+            # The engine's own start beside the swaps, in the same run, after the window (the daemon idle).
+            launch = host.cli_json("inspect", "deployment", bigs[0])["launch_command"]
+            result["own_start_s"] = engine_own_start(launch, host.root / "own-start", args.own_start_runs)
     except Exception as exc:  # noqa: BLE001 - the scenario reports why and the run goes on
         tail = host.daemon_journal(30) if host.booted else ""
         result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}" + (f"\n{tail[-1500:]}" if tail else "")
@@ -310,6 +382,7 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
     finally:
         host.teardown()
     wakes = wakes_in(journal, bigs, since)
+    swaps = swaps_in(journal, bigs, since)
     if args.json:  # the daemon's whole journal, to read what it did and when (Unix seconds)
         (args.json.parent / f"{args.json.stem}.{scenario.name}.journal").write_text(journal)
     result.update(summarize(records, bigs, args.seconds))
@@ -324,6 +397,8 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         "window_start_unix": since, "wake_log": wakes,
         "one_wake_s": statistics.median(w["seconds"] for w in wakes) if wakes else None,
         "states": states, "records": records,
+        "swaps": len(swaps), "swap_phases_s": swap_phases(swaps) if swaps else {},
+        "swap_s": [float(w["swap_seconds"]) for w in swaps],
     })
     return result
 
@@ -352,7 +427,31 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"{name:15}{r['answered']:>9}{r['failed']:>8}{r['wakes']:>6}{r['min_share']:>10.2f}"
                      f"{s(r['p50_s']):>9}{s(r['p99_s']):>9}{s(r['max_s']):>9}{s(r['one_wake_s']):>8}  "
                      f"{r['failed_by_code'] or '-'}" + (f"; failed: {bad}" if bad else ""))
+    lines += phase_table(result)
     return "\n".join(lines)
+
+
+def phase_table(result: dict[str, Any]) -> list[str]:
+    """Each scenario's median swap phases (ms) beside the engine's own start by hand."""
+    scenarios = {n: r for n, r in result["scenarios"].items() if r.get("swap_phases_s")}
+    if not scenarios:
+        return []
+    phases: list[str] = []
+    for r in scenarios.values():
+        phases += [p for p in r["swap_phases_s"] if p not in phases]
+    lines = ["", "median of each phase of the swaps (ms; 'park: ' the evicted model's, then the incoming wake's)",
+             f"{'phase':32}" + "".join(f"{n:>15}" for n in scenarios)]
+    for phase in phases:
+        lines.append(f"{phase:32}" + "".join(
+            f"{r['swap_phases_s'][phase] * 1000:>15.0f}" if phase in r["swap_phases_s"] else f"{'-':>15}"
+            for r in scenarios.values()))
+    own = {n: statistics.median(r["own_start_s"]) for n, r in scenarios.items() if r.get("own_start_s")}
+    lines.append(f"{'engine own start, by hand':32}" + "".join(
+        f"{own[n] * 1000:>15.0f}" if n in own else f"{'n/a':>15}" for n in scenarios))
+    lines.append(f"{'swap / own start':32}" + "".join(
+        f"{r['swap_phases_s']['swap'] / own[n]:>14.2f}x" if n in own else f"{'n/a':>15}"
+        for n, r in scenarios.items()))
+    return lines
 
 
 def main() -> None:
@@ -367,6 +466,8 @@ def main() -> None:
                         help="seconds between the light client's requests to the small model (0: none)")
     parser.add_argument("--stagger", type=float, default=STAGGER_S,
                         help="seconds between the clients' first requests (0: all at once, racing)")
+    parser.add_argument("--own-start-runs", type=int, default=3,
+                        help="starts of the engine by hand per multi-model scenario (0: none)")
     parser.add_argument("--daemon-src", type=Path, help="run the daemon from this tree (holding capyctl/)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

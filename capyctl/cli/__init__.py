@@ -328,6 +328,10 @@ def park_lines(d: dict) -> list[str]:
     if record.get("wake_seconds") is not None:
         lines.append(f"          last wake {record['wake_seconds']:.2f}s, proof {proof.get('result', 'none')}"
                      + (f" ({proof['reason']})" if proof.get("reason") else ""))
+    for what in ("wake", "park"):
+        timeline = record.get(f"last_{what}")
+        if timeline:
+            lines.append(f"          last {what}'s phases: {timeline_line(timeline)}")
     cache_line = prompt_cache_line(record.get("prompt_cache") or {})
     if cache_line:
         lines.append(f"          prompt cache: {cache_line}")
@@ -337,6 +341,15 @@ def park_lines(d: dict) -> list[str]:
             lines.append(f" Parsers: {what}: {parsers.get(key) or 'none'} ({parsers.get(key + '_source')}"
                          + (f", model_type {parsers['model_type']}" if parsers.get("model_type") else "") + ")")
     return lines
+
+
+def timeline_line(timeline: dict) -> str:
+    """A wake's or park's phases in order (capyctl/controller/_timeline.py), and a swap's length."""
+    phases = ", ".join(f"{p['phase']} {p['seconds'] * 1000:.0f} ms" for p in timeline.get("phases") or [])
+    evicted = [e.get("deployment") for e in timeline.get("evicted") or []]
+    swap = timeline.get("swap_seconds")
+    return (phases or "none") + (f"; evicted {', '.join(evicted)}" if evicted else "") + (
+        f"; {swap:.2f}s from their last answer to its first" if swap is not None else "")
 
 
 def prompt_cache_line(cache: dict) -> str | None:

@@ -47,7 +47,7 @@ from ..proxy.router import Upstream
 from ..spec import DeploymentSpec
 from ..store import Revision
 from ._admission import Admission, Busy
-from ._launch import PARKED_IN_PLACE, Laps, PreparedUnit, spec_capabilities
+from ._launch import PARKED_IN_PLACE, PreparedUnit, spec_capabilities
 from ._lifecycle import RESTING, Command, DeploymentState, InvalidTransition, QueuedCommand, allowed
 from ._liveness import Liveness, hung_stop_grace
 from ._members import GroupUnits
@@ -56,6 +56,8 @@ from ._proof import WakeProof
 from ._prompt_cache import PromptCacheKeeper
 from ._report import describe
 from ._services import DeploymentServices
+from . import _timeline as phases
+from ._timeline import Timeline
 from ._turns import RoomWaitTimeout, WakeCancelled
 from ._unit import EngineUnit
 from ._upstream import UpstreamCache
@@ -115,6 +117,9 @@ class DeploymentActor:
         self._queued_other_than_wake = 0  # queued commands that change course (see redirected)
         self._wake_for_requests = False  # the running wake was asked by requests (_do_wake)
         self._wake_future: asyncio.Future | None = None
+        # The latest wake's phases until its first answer ends them (answered); the latest park's.
+        self._wake_timeline: Timeline | None = None
+        self.last_park_timeline: dict[str, Any] | None = None
         # Its one systemd unit (a single-host deployment): launch, watch, stop, arming (_unit.py).
         self.engine_unit = EngineUnit(self)
         # A deployment with nodes > 1 is a group of units, one per host (see _members.py).
@@ -282,6 +287,8 @@ class DeploymentActor:
             log.info("deployment %s: %s -> %s%s", self.name, self.state, state, f" ({reason})" if reason else "")
         self.state = state
         self.reason = reason
+        if state != DeploymentState.READY and self._wake_timeline is not None:
+            self._end_wake_timeline()  # it left ready before any answer: its timeline ends unanswered
         self.requests.state_changed()
         self.liveness.follow(state == DeploymentState.READY)
         self.controller.record_runtime(self.name, state, reason=reason, host=self.host, launch_id=self.launch_id,
@@ -301,13 +308,22 @@ class DeploymentActor:
         if self.spec.nodes > 1:
             return await self._wake_group(progress)
         started = time.monotonic()
-        self.engine_unit.laps = laps = Laps()
+        self._end_wake_timeline()  # the previous wake's, if no answer came since
+        self.engine_unit.timeline = timeline = Timeline(phases.WAKE)
         # A wake from a park is proven against what the model generated before it; a start records that.
         woken_from_park = self.state == DeploymentState.PARKED
         woken_in_place = False
         async with self._start_failures():
-            await self.controller.make_room(self, progress)
-            laps.lap("make room")
+            # Evicted without arming (its park made room for a wake that waited): arm now, beside
+            # the wait for room, so the wake opens a gate rather than starting a unit.
+            arming = self.engine_unit.arm_beside(self._prompt_cache.directory()) \
+                if woken_from_park and not self.parked_in_place else None
+            try:
+                await self.controller.make_room(self, progress, timeline)
+            finally:
+                if arming is not None:
+                    await arming
+            timeline.lap(phases.MAKE_ROOM)
             if self.state == DeploymentState.PARKED and self.parked_in_place and await self.engine_unit.active():
                 self._set(DeploymentState.WAKING)
                 await self.engine_unit.describe(DeploymentState.WAKING)
@@ -320,7 +336,7 @@ class DeploymentActor:
                     timeout=self.spec.timeouts.wake)
                 self.parked_in_place = False
                 woken_in_place = True
-                laps.lap("wake in place")
+                timeline.lap(phases.WAKE_IN_PLACE)
             else:
                 self._set(DeploymentState.STARTING if self.state in (DeploymentState.STOPPED, DeploymentState.FAILED) else DeploymentState.WAKING)
                 if await self.engine_unit.open_armed(progress):
@@ -328,31 +344,54 @@ class DeploymentActor:
                 else:
                     await self._launch(progress)
             await self._wait_healthy(progress, self.spec.timeouts.start)
-            laps.lap("health")
+            timeline.lap(phases.HEALTH)
             restoring = not woken_in_place and self._prompt_cache.pending()
             if restoring:
                 # The proof goes first: any new task moves llama-server's idle slots into its
                 # host-RAM cache and empties them (--cache-idle-slots), so a proof after the
                 # requests would take the restored conversation out of the slot the next park saves.
-                await self._prove(progress, woken_from_park, time.monotonic() - started)
-                laps.lap("proof")
+                # Not while another deployment waits for room: a restart wake is a clean start.
+                if not self._proof.skip_if_room_wanted(time.monotonic() - started):
+                    await self._prove(progress, woken_from_park, time.monotonic() - started)
+                    timeline.lap(phases.PROOF)
                 self.save_park_record(prompt_cache={**await self._prompt_cache.restore(progress), "at": wall_clock()})
-                laps.lap("restore prompt cache")
+                timeline.lap(phases.RESTORE_PROMPT_CACHE)
             elif woken_from_park and not woken_in_place:
                 # A wake that started the unit afresh is a clean start of the same files, as a cold
                 # start is: the requests it woke for go first, its proof follows them.
                 self._proof.after_requests(time.monotonic() - started)
             else:
                 await self._prove(progress, woken_from_park, time.monotonic() - started)
-                laps.lap("proof")
+                timeline.lap(phases.PROOF)
         self.failures = 0
         self.wakes += 1
         await self.engine_unit.describe(DeploymentState.READY)
+        self._wake_timeline = timeline  # ended by the first answer (answered) or the next change
         self._set(DeploymentState.READY)
         log.info("deployment %s: ready in %.3fs, %s (%s)", self.name, time.monotonic() - started,
-                 "woken from its park" if woken_from_park else "started", laps)
+                 "woken from its park" if woken_from_park else "started", timeline)
         progress(f"ready in {time.monotonic() - started:.1f}s")
         return self.state
+
+    def answered(self) -> None:
+        """A client's request was answered (Admission.release): the first after a wake ends its
+        timeline."""
+        timeline = self._wake_timeline
+        if timeline is not None and self.state == DeploymentState.READY:
+            timeline.lap(phases.FIRST_ANSWER)
+            self._end_wake_timeline()
+
+    def _end_wake_timeline(self) -> None:
+        """Keep the latest wake's timeline (the park record, the journal, /metrics), with its first
+        answer if one came."""
+        timeline, self._wake_timeline = self._wake_timeline, None
+        if timeline is None:
+            return
+        timeline.end()
+        record = timeline.record()
+        self.save_park_record(last_wake=record)
+        self.controller.timeline_recorded(self.name, record)
+        log.info("deployment %s: wake timeline %s", self.name, timeline.journal_line())
 
     @contextlib.asynccontextmanager
     async def _start_failures(self) -> AsyncIterator[None]:
@@ -471,6 +510,15 @@ class DeploymentActor:
             return self.state
         if self.state != DeploymentState.READY:  # (between commands a deployment is at rest)
             return self.state
+        # An eviction's timeline begins at the last answer: what the deployment did from then to
+        # its park is the swap's idle time (its door may have closed meanwhile for another's wake).
+        last_answer = self.requests.last_answer_at if evicting else None
+        timeline = Timeline(phases.PARK, began_at=last_answer)
+        if last_answer is not None:
+            timeline.mark("last answer", last_answer)
+            if self.requests.door_closed_at is not None:
+                timeline.mark("door closed", self.requests.door_closed_at)
+            timeline.lap(phases.WAIT_FOR_PARK)
         adapter = self.controller.adapter(self.spec)
         tier = self.park_tier
         in_place = adapter.park_method(self.spec) == "in_place" and self.spec.park == "auto" and in_place_ok \
@@ -481,6 +529,7 @@ class DeploymentActor:
         except Busy:
             self._set(DeploymentState.READY)
             raise
+        timeline.lap(phases.DRAIN)
         if in_place:
             try:
                 await asyncio.wait_for(
@@ -490,10 +539,13 @@ class DeploymentActor:
             except (CapyError, asyncio.TimeoutError) as exc:
                 log.warning("deployment %s: in-place park failed (%s); stopping the unit", self.name, exc)
                 in_place = False
+            timeline.lap(phases.PARK_IN_PLACE)
         saved_cache = None
         if not in_place:
             saved_cache = await self._prompt_cache.save()
+            timeline.lap(phases.SAVE_PROMPT_CACHE)
             await self.engine_unit.stop()
+            timeline.lap(phases.UNIT_STOP)
             self.parked_in_place = False
         else:
             await self.engine_unit.describe(PARKED_IN_PLACE)
@@ -507,7 +559,16 @@ class DeploymentActor:
             await self.engine_unit.preseal()
             if self.engine_unit.can_arm():
                 await self.engine_unit.arm(self._prompt_cache.directory())
+            timeline.lap(phases.ARM)
+        self._keep_park_timeline(timeline)
         return self.state
+
+    def _keep_park_timeline(self, timeline: Timeline) -> None:
+        timeline.end()
+        self.last_park_timeline = record = timeline.record()
+        self.save_park_record(last_park=record)
+        self.controller.timeline_recorded(self.name, record)
+        log.info("deployment %s: park timeline %s", self.name, timeline.journal_line())
 
     def host_lost(self, host: str) -> None:
         """``host`` went offline: its bus connection is gone, so the unit watch on it is too. With

@@ -49,6 +49,7 @@ class AdmittingDeployment(Protocol):
     def backoff_left(self) -> float: ...  # seconds a failed deployment still refuses wakes
     def backoff(self) -> float: ...
     def request_wake(self) -> asyncio.Future: ...  # a wake for waiting requests, or the one under way
+    def answered(self) -> None: ...  # a client's request was answered (the first after a wake ends its timeline)
 
 
 class Admission:
@@ -57,6 +58,10 @@ class Admission:
         self.in_flight = 0
         self.waiting = 0
         self.last_used = 0.0
+        # Wall-clock times of the last answer and of the door's closing (None: open), for the
+        # timeline of a park that makes room (controller/_timeline.py).
+        self.last_answer_at: float | None = None
+        self.door_closed_at: float | None = None
         # Waiting requests by ticket (their place in the daemon's order), and the first ticket the
         # door no longer admits while another deployment waits for this one's room (None: open).
         self._tickets: set[int] = set()
@@ -67,6 +72,9 @@ class Admission:
         self._proofs_in_flight = 0  # of in_flight: the proof after a wake, drained as a request is
         self._idle = asyncio.Event()
         self._idle.set()
+        # Set while nothing is in flight: a drain waits for it, not a poll.
+        self._no_flight = asyncio.Event()
+        self._no_flight.set()
 
     @property
     def name(self) -> str:
@@ -167,11 +175,14 @@ class Admission:
 
     def release(self) -> None:
         self.in_flight -= 1
-        self.last_used = time.time()
+        self._flight_changed()
+        self.last_used = self.last_answer_at = time.time()
+        self._deployment.answered()
         self._idle_if_done()
 
     def _enter(self) -> None:
         self.in_flight += 1
+        self._no_flight.clear()
         self.last_used = time.time()
         self._idle.clear()
 
@@ -204,12 +215,14 @@ class Admission:
     def close_door(self, mark: int) -> None:
         """Admit only the waiting requests whose ticket is below ``mark``; later ones wait for the
         door to open (another deployment's turn comes first)."""
+        if self._door_mark is None:
+            self.door_closed_at = time.time()
         self._door_mark = mark if self._door_mark is None else min(self._door_mark, mark)
         self._idle_if_done()
 
     def open_door(self) -> None:
         if self._door_mark is not None:
-            self._door_mark = None
+            self._door_mark = self.door_closed_at = None
             self._door_pulse.beat()
 
     def oldest_ticket(self) -> int | None:
@@ -247,8 +260,13 @@ class Admission:
                        f"{timeout:.0f}s", code="drain_timeout") from None
 
     async def _drained(self) -> None:
-        while self.in_flight > 0:
-            await asyncio.sleep(0.05)
+        await self._no_flight.wait()
+
+    def _flight_changed(self) -> None:
+        if self.in_flight > 0:
+            self._no_flight.clear()
+        else:
+            self._no_flight.set()
 
     @contextlib.contextmanager
     def hold_as_request(self) -> Iterator[None]:
@@ -257,9 +275,11 @@ class Admission:
         self.in_flight += 1
         self._proofs_in_flight += 1
         self._idle.clear()
+        self._no_flight.clear()
         try:
             yield
         finally:
             self.in_flight -= 1
             self._proofs_in_flight -= 1
+            self._flight_changed()
             self._idle_if_done()

@@ -36,6 +36,7 @@ from ._cordons import Cordons
 from ._metrics import DeploymentMetrics
 from ._ports import PortLeases
 from ._secrets import EngineSecrets
+from ._timeline import EVICT, MAKE_ROOM, WAIT_FOR_ROOM, Timeline
 from ._usage import UsageView
 
 log = logging.getLogger("capyctl.controller")
@@ -324,21 +325,22 @@ class Controller:
 
     # -- making room --------------------------------------------------------------------------------
 
-    async def make_room(self, actor: DeploymentActor, progress: Progress) -> None:
+    async def make_room(self, actor: DeploymentActor, progress: Progress, timeline: Timeline | None = None) -> None:
         """Park or stop idle deployments until ``actor`` fits; busy ones are never touched. Where
         busy deployments hold the room, wait for it in line (controller/_turns.py), at most
-        ``swap.wait_max``; raises NoRoom at once where waiting would not bring it."""
+        ``swap.wait_max``; raises NoRoom at once where waiting would not bring it. ``timeline``
+        gets the waits for room and the evictions as phases, and the evicted parks' timelines."""
         try:
-            await self._make_room(actor, progress)
+            await self._make_room(actor, progress, timeline if timeline is not None else Timeline())
         finally:
             self.turns.leave(actor.name, {name: a.requests for name, a in self.actors.items()})
 
-    async def _make_room(self, actor: DeploymentActor, progress: Progress) -> None:
+    async def _make_room(self, actor: DeploymentActor, progress: Progress, timeline: Timeline) -> None:
         told = ""
         while True:
             beat = self.turns.beat()  # before looking: a change while we look is not missed
             async with self._placement_lock:
-                placed, yielders = await self._place(actor, progress)
+                placed, yielders = await self._place(actor, progress, timeline)
                 if placed:
                     return
                 since = self.turns.join(actor.name)
@@ -366,10 +368,13 @@ class Controller:
                                     "waiting for room", retry_after=1.0)
             # Look again at the next change, when the quantum is up, and at least every ROOM_RECHECK_S.
             until_quantum = self.turns.quantum - waited
+            timeline.lap(MAKE_ROOM)
             await wait_for_beat(beat, min(self.turns.wait_max - waited, ROOM_RECHECK_S,
                                           until_quantum if until_quantum > 0 else ROOM_RECHECK_S))
+            timeline.lap(WAIT_FOR_ROOM)
 
-    async def _place(self, actor: DeploymentActor, progress: Progress) -> tuple[bool, list[DeploymentActor]]:
+    async def _place(self, actor: DeploymentActor, progress: Progress,
+                     timeline: Timeline) -> tuple[bool, list[DeploymentActor]]:
         """Under the placement lock: plan ``actor``'s placement, evict idle victims and plan again
         until it fits (True, []) or must wait: (False, the deployments that must yield the room,
         or [] when only its turn in line is missing). Raises NoRoom when waiting would not help.
@@ -393,6 +398,7 @@ class Controller:
                 return True, []
             if not self.turns.may_evict(actor.name):
                 return False, []  # an older wake waits for room: it evicts first
+            timeline.lap(MAKE_ROOM)
             try:
                 for victim, action in victims:
                     progress(f"making room: {action} {victim.name}")
@@ -403,8 +409,12 @@ class Controller:
                                       reason=f"made room for {actor.name}"),
                         timeout=victim.spec.timeouts.park + victim.spec.timeouts.stop + 5)
                     self.metrics.evicted(victim.name)
+                    if victim.last_park_timeline is not None:
+                        timeline.evicted.append({"deployment": victim.name, **victim.last_park_timeline})
             except Busy:
                 pass  # a victim got a request meanwhile: plan again
+            finally:
+                timeline.lap(EVICT)
 
     def subscribe(self, listener: Callable[[DeploymentActor], None]) -> Callable[[], None]:
         """Call ``listener(actor)`` on every change of a deployment's state, and when one is deployed or
@@ -555,6 +565,12 @@ class Controller:
 
     def wake_durations(self) -> dict[str, DurationCounts]:
         return self.metrics.wake_durations()
+
+    def phase_durations(self) -> dict[tuple[str, str, str], DurationCounts]:
+        return self.metrics.phase_durations()
+
+    def timeline_recorded(self, name: str, record: dict) -> None:
+        self.metrics.timeline(name, record)
 
     async def memory_gauges(self) -> list[MemoryGauge]:
         return await self.metrics.memory_gauges()

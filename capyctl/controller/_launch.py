@@ -21,6 +21,7 @@ from ._keys import new_engine_key
 from ._lifecycle import DeploymentState
 from ._memory import gpu_order_environment
 from ._services import DeploymentServices, PlacedDeployment
+from ._timeline import CREDENTIALS, PREPARE, Timeline
 
 Progress = Callable[[str], None]
 
@@ -66,23 +67,6 @@ class Presealed:
 
 async def _sealed_already(presealed: Presealed) -> tuple[dict[str, str], frozenset[str]]:
     return presealed.credentials, presealed.encrypted
-
-
-class Laps:
-    """Seconds each stage of a wake took (make room, credentials and confinement, unit start, health,
-    proof): the journal line of every wake, so that a slow one says where its time went."""
-
-    def __init__(self) -> None:
-        self.stages: dict[str, float] = {}
-        self._last = time.monotonic()
-
-    def lap(self, stage: str) -> None:
-        now = time.monotonic()
-        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._last
-        self._last = now
-
-    def __str__(self) -> str:
-        return ", ".join(f"{stage} {seconds * 1000:.0f} ms" for stage, seconds in self.stages.items())
 
 
 @dataclass(frozen=True)
@@ -132,7 +116,7 @@ def model_label(spec: Any) -> str:
 
 async def prepare_unit(ctl: DeploymentServices, deployment: PlacedDeployment, *, revision: int,
                        presealed: Presealed | None, gated: bool, prompt_cache_dir: str | None,
-                       phase: str, progress: Progress, laps: Laps) -> PreparedUnit:
+                       phase: str, progress: Progress, timeline: Timeline) -> PreparedUnit:
     """Plan ``deployment``'s next launch on its host: resolve its model, lease its port, make its
     key (or use the one sealed at its park), build the engine's command line, seal its
     credentials and probe what its unit may see. ``gated``: the unit waits at its gate.
@@ -164,7 +148,7 @@ async def prepare_unit(ctl: DeploymentServices, deployment: PlacedDeployment, *,
     # The key and SGLang's config file become systemd credentials of the unit: no environment
     # file, property or argv holds them, and only the unit's own user can read them.
     devices = ctl.gpu_device_nodes(host, gpu_indices)
-    laps.lap("prepare")
+    timeline.lap(PREPARE)
     # Sealing the credentials and probing what the unit may see are independent round trips
     # to the host (systemd-creds, a shell): both at once, off the wake's critical path. A key
     # sealed at the park is used as it is when the launch has no other secret file.
@@ -175,7 +159,7 @@ async def prepare_unit(ctl: DeploymentServices, deployment: PlacedDeployment, *,
         sealing = ctl.launch_credentials_on(host, name, key, secret_files)
     (credentials, encrypted), confined = await asyncio.gather(
         sealing, ctl.engine_confinement(host, name, engine_location(engine), resolved.path, devices))
-    laps.lap("credentials and confinement")
+    timeline.lap(CREDENTIALS)
     environment = {**confined.environment, **plan.environment, **gpu_order_environment(gpu_indices), **spec.env}
     unit = TransientUnit(
         name=deployment.unit, description=unit_description(name, revision, engine.type, phase), gated=gated,

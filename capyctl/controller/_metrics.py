@@ -7,9 +7,13 @@ import logging
 import time
 from typing import Any, Callable, Mapping
 
-from ..proxy.router import DurationCounts, MemoryGauge
+from ..proxy.router import PHASE_BUCKETS, DurationCounts, MemoryGauge
 from ._lifecycle import DeploymentState
 from ._parking import park_stats
+from ._timeline import phase_seconds
+
+# The swap's own histogram: an evicting wake's first answer less the evicted one's last answer.
+SWAP, SWAP_PHASE = "swap", "last answer to first answer"
 
 log = logging.getLogger("capyctl.controller")
 
@@ -24,6 +28,8 @@ class DeploymentMetrics:
         self._evictions: dict[str, int] = {}  # parks (or stops) to make room, per victim
         self._wake_started: dict[str, float] = {}
         self._wake_durations: dict[str, DurationCounts] = {}
+        # (deployment, "wake" | "park" | "swap", phase) -> its durations (controller/_timeline.py)
+        self._phase_durations: dict[tuple[str, str, str], DurationCounts] = {}
 
     def evicted(self, name: str) -> None:
         """Deployment ``name`` was parked (or stopped) to make room for another."""
@@ -37,6 +43,22 @@ class DeploymentMetrics:
             started = self._wake_started.pop(actor.name)
             if actor.state == DeploymentState.READY:  # a failed wake is not a duration of a wake
                 self._wake_durations.setdefault(actor.name, DurationCounts()).observe(time.monotonic() - started)
+
+    def timeline(self, name: str, record: dict) -> None:
+        """A wake's or park's phases ended (controller/_timeline.py): each observed by phase."""
+        kind = record.get("kind", "wake")
+        observed = list(phase_seconds(record).items())
+        for phase, seconds in observed:
+            self._observe_phase((name, kind, phase), seconds)
+        if record.get("swap_seconds") is not None:
+            self._observe_phase((name, SWAP, SWAP_PHASE), float(record["swap_seconds"]))
+
+    def _observe_phase(self, key: tuple[str, str, str], seconds: float) -> None:
+        self._phase_durations.setdefault(key, DurationCounts(bounds=PHASE_BUCKETS)).observe(seconds)
+
+    def phase_durations(self) -> dict[tuple[str, str, str], DurationCounts]:
+        actors = self._actors()
+        return {key: counts for key, counts in self._phase_durations.items() if key[0] in actors}
 
     def stats(self) -> dict[str, dict[str, float]]:
         return {a.name: {"queue_depth": a.waiting, "in_flight": a.in_flight, "wakes": a.wakes, "parks": a.parks,

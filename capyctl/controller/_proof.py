@@ -137,12 +137,7 @@ class WakeProof:
                 pass
             if not current():
                 return  # parked, stopped or restarted first: the next wake is proven on its own
-            if d.controller.room_wanted():
-                # Another deployment waits for room (_turns.py): the proof would only hold this one
-                # resident for it. A restart wake is a clean start of the same files; the proof
-                # runs after a wake that nobody waits behind.
-                self._record_wake(wake_seconds, {"result": "skipped",
-                                                 "reason": "another deployment waited for room"})
+            if self.skip_if_room_wanted(wake_seconds):
                 return
             # In flight as a request is, so that a park or stop drains it: stopped mid-generation,
             # llama-server did not exit on SIGTERM until systemd killed it.
@@ -156,6 +151,16 @@ class WakeProof:
                 d.submit(Command.RESTART_AFTER_FAILED_PROOF, launch=launch)
 
         self._task = asyncio.create_task(prove(), name=f"proof:{d.name}")
+
+    def skip_if_room_wanted(self, wake_seconds: float) -> bool:
+        """Skip (and record so) the proof of a restart wake while another deployment waits for
+        room (_turns.py): the proof would only hold this one resident, or its requests, for it. A
+        restart wake is a clean start of the same files; the proof runs after a wake that nobody
+        waits behind."""
+        if not self._deployment.controller.room_wanted():
+            return False
+        self._record_wake(wake_seconds, {"result": "skipped", "reason": "another deployment waited for room"})
+        return True
 
     def _record_wake(self, wake_seconds: float, proof: dict, **changes: Any) -> None:
         self._deployment.save_park_record(wake_seconds=rounded(wake_seconds), woken_at=wall_clock(),

@@ -21,10 +21,11 @@ import logging
 from typing import Any, Callable, Protocol
 
 from ..errors import CapyError
-from ._launch import (PARKED_ARMED, Laps, PreparedUnit, Presealed, arm_parked_units, prepare_unit, preseal,
+from ._launch import (PARKED_ARMED, PreparedUnit, Presealed, arm_parked_units, prepare_unit, preseal,
                       unit_description, wait_healthy)
 from ._lifecycle import Command
 from ._services import DeploymentServices
+from ._timeline import OPEN_GATE, UNIT_START, Timeline
 
 log = logging.getLogger("capyctl.controller")
 
@@ -60,7 +61,7 @@ class UnitOwner(Protocol):
 class EngineUnit:
     def __init__(self, owner: UnitOwner) -> None:
         self._owner = owner
-        self.laps = Laps()  # the current wake's stages (DeploymentActor._do_wake)
+        self.timeline = Timeline()  # the current wake's phases (DeploymentActor._do_wake)
         # The local end of the SSH forward to the engine on a remote host: a port, or a unix
         # socket for an engine served on one (capyctl/proxy/connector.py). None on the local host.
         self.local_port: int | None = None
@@ -96,16 +97,19 @@ class EngineUnit:
 
     # -- a launch ---------------------------------------------------------------------------------
 
-    async def launch(self, progress: Progress, *, gated: bool, prompt_cache_dir: str | None) -> None:
+    async def launch(self, progress: Progress, *, gated: bool, prompt_cache_dir: str | None,
+                     timeline: Timeline | None = None) -> None:
         """Plan the owner's next launch (_launch.py), have it recorded, and start its unit
-        (``gated``: held at its gate until a wake opens it)."""
+        (``gated``: held at its gate until a wake opens it). Its phases go to ``timeline``, else
+        to the current wake's."""
         owner = self._owner
+        timeline = timeline if timeline is not None else self.timeline
         await self.drop_forward()
         presealed, self._presealed = self._presealed, None
         prepared = await prepare_unit(
             owner.controller, owner, revision=owner.revision.revision,
             presealed=presealed if presealed is not None and presealed.host == owner.host else None,
-            gated=gated, progress=progress, laps=self.laps, prompt_cache_dir=prompt_cache_dir,
+            gated=gated, progress=progress, timeline=timeline, prompt_cache_dir=prompt_cache_dir,
             phase=PARKED_ARMED if gated else owner.state)
         owner.record_launch(prepared)
         progress(f"starting unit {owner.unit}" + (f" on host {owner.host}" if owner.remote else "")
@@ -114,7 +118,7 @@ class EngineUnit:
         self._expect_exit = False
         self.exit_code = self.exit_message = None
         await self.systemd.start_transient(prepared.unit)
-        self.laps.lap("unit start")
+        timeline.lap(UNIT_START)
         self.start_watch()
         await self.ensure_forward()
 
@@ -282,9 +286,8 @@ class EngineUnit:
     async def arm(self, prompt_cache_dir: str | None) -> None:
         """After a park by stopping: start the next launch's unit now, held at its gate. Its
         failure only means the wake starts the unit."""
-        self.laps = Laps()
         try:
-            await self.launch(_no_progress, gated=True, prompt_cache_dir=prompt_cache_dir)
+            await self.launch(_no_progress, gated=True, prompt_cache_dir=prompt_cache_dir, timeline=Timeline())
         except Exception as exc:  # arming is an optimisation: whatever failed, the park stands
             expected = isinstance(exc, (CapyError, OSError))
             log.log(logging.INFO if expected else logging.WARNING,
@@ -294,6 +297,21 @@ class EngineUnit:
                 await self.stop()
             return
         self._armed = self.launch_inputs()
+
+    def arm_beside(self, prompt_cache_dir: str | None) -> asyncio.Task | None:
+        """Seal the next key and arm the next launch in a task of its own, which the caller awaits:
+        for the wake of a deployment whose park did not arm (an eviction, whose key sealing and
+        unit start would have held up the wake it made room for), beside that wake's wait for
+        room. None when a unit is armed already or cannot be."""
+        if self.armed or not self.can_arm():
+            return None
+
+        async def arm() -> None:
+            if self._presealed is None:
+                await self.preseal()
+            await self.arm(prompt_cache_dir)
+
+        return asyncio.create_task(arm(), name=f"arm:{self._owner.name}")
 
     def disarm(self) -> None:
         """The armed unit exited: the wake starts one."""
@@ -308,7 +326,7 @@ class EngineUnit:
         unit = self._owner.unit
         if armed == self.launch_inputs() and await self.systemd.open_gate(unit):
             progress(f"opened the gate of unit {unit}, started at the park")
-            self.laps.lap("open gate")
+            self.timeline.lap(OPEN_GATE)
             return True
         log.info("deployment %s: the unit armed at the park was not used (its launch changed, or it left "
                  "its gate); starting afresh", self._owner.name)

@@ -546,8 +546,10 @@ async def _answer_metrics(exchange: Exchange) -> None:
     # (Not "memory": the Controller's memory planner is an attribute of that name, and the method
     # would have been shadowed by it: /metrics answered 500 in the daemon.)
     memory_gauges = getattr(router, "memory_gauges", None)
+    phase_durations = getattr(router, "phase_durations", None)
     body = state.metrics.render(router.stats(), wake_durations() if wake_durations else None,
-                                await memory_gauges() if memory_gauges else None)
+                                await memory_gauges() if memory_gauges else None,
+                                phase_durations() if phase_durations else None)
     exchange.reply.whole(200, {"Content-Type": "text/plain; charset=utf-8", "X-Prometheus-Format": "0.0.4"}, body)
 
 

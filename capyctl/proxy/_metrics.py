@@ -33,12 +33,18 @@ PENDING_MAX = 256
 prometheus_client.disable_created_metrics()
 
 
+def _buckets(counts: DurationCounts) -> list[tuple[str, int]]:
+    return [("+Inf" if bound == float("inf") else prometheus_client.utils.floatToGoString(bound), n)
+            for bound, n in counts.cumulative()]
+
+
 class _RouterCollector(Collector):
     """What the controller knows, read when Prometheus scrapes."""
 
     def __init__(self) -> None:
         self.stats: Mapping[str, Mapping[str, float]] = {}
         self.wakes: Mapping[str, DurationCounts] = {}
+        self.phases: Mapping[tuple[str, str, str], DurationCounts] = {}
         self.memory: list[MemoryGauge] = []
 
     def collect(self) -> Iterable[Metric]:
@@ -77,10 +83,16 @@ class _RouterCollector(Collector):
                                       labels=["deployment"])
         for deployment in sorted(self.wakes):
             counts = self.wakes[deployment]
-            buckets = [("+Inf" if bound == float("inf") else prometheus_client.utils.floatToGoString(bound), n)
-                       for bound, n in counts.cumulative()]
-            wakes.add_metric([deployment], buckets, counts.total)
+            wakes.add_metric([deployment], _buckets(counts), counts.total)
         yield wakes
+
+        phases = HistogramMetricFamily("capyctl_phase_duration_seconds",
+                                       "Time each phase of a deployment's wakes and parks took (kind wake or "
+                                       "park), and its swaps from the evicted model's last answer to its first "
+                                       "(kind swap).", labels=["deployment", "kind", "phase"])
+        for key in sorted(self.phases):
+            phases.add_metric(list(key), _buckets(self.phases[key]), self.phases[key].total)
+        yield phases
 
         gpu_labels = ["host", "gpu"]
         total = GaugeMetricFamily("capyctl_gpu_memory_capacity_bytes", "A card's memory CapyCTL may use.",
@@ -155,10 +167,12 @@ class ProxyMetrics:
 
     def render(self, router_stats: Mapping[str, Mapping[str, float]],
                wake_durations: Mapping[str, DurationCounts] | None = None,
-               memory: list[MemoryGauge] | None = None) -> bytes:
+               memory: list[MemoryGauge] | None = None,
+               phase_durations: Mapping[tuple[str, str, str], DurationCounts] | None = None) -> bytes:
         """The text exposition (format 0.0.4) of the proxy's series and the router's figures."""
         self._router.stats = router_stats
         self._router.wakes = wake_durations or {}
+        self._router.phases = phase_durations or {}
         self._router.memory = memory or []
         self._count_pending()
         return prometheus_client.generate_latest(self.registry)

@@ -51,6 +51,8 @@ class Upstream:
 # Seconds a wake (or cold start) took, from the request that asked for it to ready. Wide on the
 # right: a cold start of a large model from disk takes minutes.
 WAKE_BUCKETS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# A wake's or park's phases: from a unit's few milliseconds to a wait for room.
+PHASE_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 @dataclass
@@ -146,6 +148,10 @@ class Router(Protocol):
 
     def wake_durations(self) -> dict[str, DurationCounts]:
         """Per deployment, how long its wakes and cold starts took (to ready)."""
+
+    def phase_durations(self) -> dict[tuple[str, str, str], DurationCounts]:
+        """Per (deployment, "wake" | "park" | "swap", phase), how long that phase of its wakes and
+        parks took (the controller's timelines)."""
 
     async def memory_gauges(self) -> list[MemoryGauge]:
         """Every memory domain with what each deployment holds there; measurements may be a

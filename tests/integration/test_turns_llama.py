@@ -5,6 +5,8 @@ Retry-After (capyctl/controller/_turns.py)."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 
@@ -143,6 +145,30 @@ def test_clients_alternating_two_models_get_every_answer(two_models):
     assert not errors, errors[:5]
     assert served["ma"] > 0 and served["mb"] > 0, served
     assert all(state != "failed" for state, _ in _states(host).values())
+    # Each swap's phases were recorded (capyctl/controller/_timeline.py): the incoming wake's up to
+    # its first answer, carrying the evicted model's park from its last answer.
+    timelines = [json.loads(m) for m in re.findall(r"wake timeline (\{.*\})", host.daemon_journal(2000))]
+    swaps = [t for t in timelines if "swap_seconds" in t]
+    assert swaps, timelines
+
+    def phases(record: dict) -> list[str]:
+        return [p["phase"] for p in record["phases"]]
+
+    for swap in swaps:
+        assert phases(swap)[-1] == "first answer" and "health" in phases(swap), swap
+        [evicted] = swap["evicted"]
+        assert phases(evicted)[0] == "wait for park" and "unit stop" in phases(evicted), evicted
+        first = swap["phases"][-1]
+        assert swap["swap_seconds"] == pytest.approx(first["at"] + first["seconds"] - evicted["marks"]["last answer"],
+                                                     abs=1e-3)
+    # An evicted model's next wake arms its unit beside its wait for room and opens its gate: no
+    # unit is started once the room is made. (ma, then mb evicting it, then ma again.)
+    for model in ("ma", "mb", "ma"):
+        assert _ask(c, model)
+    record = host.cli_json("status", "deployment", "ma")["park_record"]  # capyctl status shows the last of each
+    assert "open gate" in phases(record["last_wake"]) and "unit start" not in phases(record["last_wake"]), record
+    assert [e["deployment"] for e in record["last_wake"]["evicted"]] == ["mb"]
+    assert phases(host.cli_json("status", "deployment", "mb")["park_record"]["last_park"])[0] == "wait for park"
 
 
 def test_past_the_bound_a_clear_503_with_retry_after_and_no_failed_deployment(two_models):

@@ -414,6 +414,17 @@ async def test_an_eviction_does_not_arm_but_an_idle_park_does(vllm_on_two_cards)
     await actor._do_stop()
     await actor._launch(lambda _: None)
     actor._set("ready")
+    await actor._do_park(evicting=True)
+    # Its next wake arms beside its wait for room, then opens that unit's gate: no unit is
+    # started after the room is made.
+    arming = actor.engine_unit.arm_beside(None)
+    assert arming is not None
+    await arming
+    assert systemd.started[-1].gated and actor.engine_unit.armed
+    assert await actor.engine_unit.open_armed(lambda _: None) and systemd.gates_opened == ["capyctl-chat.service"]
+    await actor._do_stop()
+    await actor._launch(lambda _: None)
+    actor._set("ready")
     await actor._do_park(evicting=True, idle=True)
     assert systemd.started[-1].gated and actor.describe()["armed"] is True
 

@@ -199,3 +199,18 @@ def test_status_says_when_a_park_armed_the_next_launch():
     armed = "\n".join(park_lines({"park_tier": "restart", "park_record": record, "armed": True}))
     assert "memory released" in armed and "armed: the next launch's unit is started and waits at its gate" in armed
     assert "armed" not in "\n".join(park_lines({"park_tier": "restart", "park_record": record, "armed": False}))
+
+
+def test_status_shows_the_last_wake_and_park_phases():
+    from capyctl.cli import park_lines
+    wake = {"kind": "wake", "phases": [{"phase": "evict", "at": 10.0, "seconds": 0.05},
+                                       {"phase": "open gate", "at": 10.05, "seconds": 0.004},
+                                       {"phase": "health", "at": 10.054, "seconds": 0.4},
+                                       {"phase": "first answer", "at": 10.454, "seconds": 0.1}],
+            "evicted": [{"deployment": "qwen", "marks": {"last answer": 9.9}}], "swap_seconds": 0.654}
+    park = {"kind": "park", "phases": [{"phase": "drain", "at": 1.0, "seconds": 0.0},
+                                       {"phase": "unit stop", "at": 1.0, "seconds": 0.03}]}
+    text = "\n".join(park_lines({"park_tier": "restart", "park_record": {"last_wake": wake, "last_park": park}}))
+    assert ("last wake's phases: evict 50 ms, open gate 4 ms, health 400 ms, first answer 100 ms; evicted qwen; "
+            "0.65s from their last answer to its first") in text
+    assert "last park's phases: drain 0 ms, unit stop 30 ms" in text

@@ -386,3 +386,56 @@ async def test_the_proof_after_a_wake_is_deferred_while_another_deployment_waits
     assert proofs == []
     assert a.park_record["proof"]["result"] == "skipped"
     assert a.park_record["proof"]["reason"] == "another deployment waited for room"
+
+
+async def test_a_swap_records_its_phases_from_the_last_answer_to_the_first(one_card):
+    """The incoming wake's timeline holds its phases in order, ends at its first answer, and carries
+    the evicted deployment's park timeline from that one's last answer (controller/_timeline.py);
+    /metrics' histograms observe each phase and the swap."""
+    ctl, systemd, model = one_card
+    a = await _deploy(ctl, model, "a")
+    b = await _deploy(ctl, model, "b")
+    async with _one_request_in_flight(ctl, a):
+        wanted = asyncio.create_task(_Clients(ctl).one("b"))
+        await _until(lambda: not a.requests.door_open)  # b waited its quantum: a's door closed for it
+    await asyncio.wait_for(wanted, HANG_GUARD)
+
+    wake = b.park_record["last_wake"]
+    names = [p["phase"] for p in wake["phases"]]
+    assert names[-1] == "first answer", names
+    for phase in ("wait for room", "evict", "make room", "prepare", "credentials and confinement", "unit start", "health"):
+        assert phase in names, names
+    starts = [p["at"] for p in wake["phases"]]
+    assert starts == sorted(starts)
+    assert wake["seconds"] == pytest.approx(sum(p["seconds"] for p in wake["phases"]), abs=1e-5)
+
+    [evicted] = wake["evicted"]
+    assert evicted["deployment"] == "a" and evicted == {"deployment": "a", **a.park_record["last_park"]}
+    assert [p["phase"] for p in evicted["phases"]] == ["wait for park", "drain", "save prompt cache", "unit stop"]
+    last_answer, door_closed = evicted["marks"]["last answer"], evicted["marks"]["door closed"]
+    assert door_closed <= last_answer <= evicted["phases"][1]["at"]
+    first = wake["phases"][-1]
+    assert wake["swap_seconds"] == pytest.approx(first["at"] + first["seconds"] - last_answer, abs=1e-5)
+    assert 0 < wake["swap_seconds"] < wake["seconds"]
+
+    durations = ctl.phase_durations()
+    assert durations[("b", "wake", "health")].count == 1
+    assert durations[("a", "park", "unit stop")].count == 1
+    assert durations[("b", "swap", "last answer to first answer")].count == 1
+    from capyctl.proxy._metrics import ProxyMetrics
+    text = ProxyMetrics().render({}, phase_durations=durations).decode()
+    assert 'capyctl_phase_duration_seconds_count{deployment="b",kind="swap",phase="last answer to first answer"} 1.0' \
+        in text
+
+
+async def test_a_wake_nobody_asks_anything_of_ends_its_timeline_at_its_next_park(one_card):
+    ctl, systemd, model = one_card
+    a = await _deploy(ctl, model, "a")
+    await a.submit("wake")
+    assert "last_wake" not in a.park_record  # open until its first answer
+    await a.submit("park")
+    wake, park = a.park_record["last_wake"], a.park_record["last_park"]
+    assert "first answer" not in [p["phase"] for p in wake["phases"]] and "evicted" not in wake
+    # A park nobody evicted begins at its command, not at the last answer, and seals its next key.
+    assert [p["phase"] for p in park["phases"]] == ["drain", "save prompt cache", "unit stop", "arm"]
+    assert "marks" not in park
