@@ -208,38 +208,66 @@ def swap_phases(swaps: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {phase: statistics.median(values) for phase, values in by_phase.items()}
 
 
-def engine_own_start(launch_command: dict[str, Any], out: Path, runs: int) -> list[float]:
+def engine_own_start(launch_command: dict[str, Any], out: Path, runs: int, batch: int) -> dict[str, list[float]]:
     """The engine's own start, by hand: the deployment's unit command line run directly (no unit,
     no proxy, no key; capyctl/recipes/_runner.py's launch_direct), exec to the first answer of the
-    clients' request, asked again at once while it is refused or loading."""
+    clients' request. Two ways, each ``runs`` times: ``one``, that request asked again at once while
+    it is refused or loading; ``batch``, /health polled as CapyCTL polls it, then ``batch`` of those
+    requests at once, as a swap's turn gets them (the first of them answered)."""
+    import concurrent.futures
+    import io
     import urllib.error
     import urllib.request
-
-    import io
 
     from capyctl.recipes._runner import StepLog, launch_direct, stop_direct
     body = json.dumps({"model": "x", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
                        "temperature": 0}).encode()
-    seconds = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        proc, port = launch_direct(launch_command, out, 120.0, StepLog(stream=io.StringIO()))
+
+    def ask(port: int) -> None:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            r.read()
+
+    def healthy(port: int) -> bool:
         try:
-            while True:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                                 headers={"Content-Type": "application/json"})
-                try:
-                    with urllib.request.urlopen(request, timeout=60) as r:
-                        r.read()
-                    break
-                except (OSError, urllib.error.URLError):
-                    if proc.poll() is not None or time.perf_counter() - started > 120:
-                        raise RuntimeError(f"the engine started by hand gave no answer (exit {proc.poll()})")
-                    time.sleep(0.005)
-            seconds.append(time.perf_counter() - started)
-        finally:
-            stop_direct(proc)
-    return seconds
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def until(proc: Any, started: float, attempt: Any) -> None:
+        while not attempt():
+            if proc.poll() is not None or time.perf_counter() - started > 120:
+                raise RuntimeError(f"the engine started by hand did not serve (exit {proc.poll()})")
+            time.sleep(0.005)
+
+    def one_request(proc: Any, port: int, started: float) -> None:
+        def attempt() -> bool:
+            try:
+                ask(port)
+                return True
+            except (OSError, urllib.error.URLError):
+                return False
+        until(proc, started, attempt)
+
+    def many_at_once(proc: Any, port: int, started: float) -> None:
+        until(proc, started, lambda: healthy(port))
+        with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+            waiting = [pool.submit(ask, port) for _ in range(batch)]
+            next(concurrent.futures.as_completed(waiting)).result()
+
+    figures: dict[str, list[float]] = {"one": [], "batch": []}
+    for _ in range(runs):
+        for kind, serve in (("one", one_request), ("batch", many_at_once)):
+            started = time.perf_counter()
+            proc, port = launch_direct(launch_command, out, 120.0, StepLog(stream=io.StringIO()))
+            try:
+                serve(proc, port, started)
+                figures[kind].append(time.perf_counter() - started)
+            finally:
+                stop_direct(proc)
+    return figures
 
 
 async def _ask(http: Any, url: str, key: str, model: str) -> tuple[int, str | None]:
@@ -374,7 +402,8 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         if scenario.models > 1 and args.own_start_runs:
             # The engine's own start beside the swaps, in the same run, after the window (the daemon idle).
             launch = host.cli_json("inspect", "deployment", bigs[0])["launch_command"]
-            result["own_start_s"] = engine_own_start(launch, host.root / "own-start", args.own_start_runs)
+            own = engine_own_start(launch, host.root / "own-start", args.own_start_runs, args.clients)
+            result["own_start_s"], result["own_start_batch_s"] = own["one"], own["batch"]
     except Exception as exc:  # noqa: BLE001 - the scenario reports why and the run goes on
         tail = host.daemon_journal(30) if host.booted else ""
         result["error"] = f"{type(exc).__name__}: {str(exc)[:400]}" + (f"\n{tail[-1500:]}" if tail else "")
@@ -445,12 +474,14 @@ def phase_table(result: dict[str, Any]) -> list[str]:
         lines.append(f"{phase:32}" + "".join(
             f"{r['swap_phases_s'][phase] * 1000:>15.0f}" if phase in r["swap_phases_s"] else f"{'-':>15}"
             for r in scenarios.values()))
-    own = {n: statistics.median(r["own_start_s"]) for n, r in scenarios.items() if r.get("own_start_s")}
-    lines.append(f"{'engine own start, by hand':32}" + "".join(
-        f"{own[n] * 1000:>15.0f}" if n in own else f"{'n/a':>15}" for n in scenarios))
-    lines.append(f"{'swap / own start':32}" + "".join(
-        f"{r['swap_phases_s']['swap'] / own[n]:>14.2f}x" if n in own else f"{'n/a':>15}"
-        for n, r in scenarios.items()))
+    for key, label in (("own_start_s", "own start, one request"),
+                       ("own_start_batch_s", f"own start, {result['clients']} at once")):
+        own = {n: statistics.median(r[key]) for n, r in scenarios.items() if r.get(key)}
+        lines.append(f"{'engine ' + label:32}" + "".join(
+            f"{own[n] * 1000:>15.0f}" if n in own else f"{'n/a':>15}" for n in scenarios))
+        lines.append(f"{'swap / ' + label:32}" + "".join(
+            f"{r['swap_phases_s']['swap'] / own[n]:>14.2f}x" if n in own else f"{'n/a':>15}"
+            for n, r in scenarios.items()))
     return lines
 
 

@@ -347,15 +347,11 @@ class DeploymentActor:
             timeline.lap(phases.HEALTH)
             restoring = not woken_in_place and self._prompt_cache.pending()
             if restoring:
-                # The proof goes first: any new task moves llama-server's idle slots into its
-                # host-RAM cache and empties them (--cache-idle-slots), so a proof after the
-                # requests would take the restored conversation out of the slot the next park saves.
-                # Not while another deployment waits for room: a restart wake is a clean start.
-                if not self._proof.skip_if_room_wanted(time.monotonic() - started):
-                    await self._prove(progress, woken_from_park, time.monotonic() - started)
-                    timeline.lap(phases.PROOF)
+                # A restart wake is a clean start of the same files: the requests go first. Its
+                # proof waits for the next park, after the save (WakeProof.before_next_park).
                 self.save_park_record(prompt_cache={**await self._prompt_cache.restore(progress), "at": wall_clock()})
                 timeline.lap(phases.RESTORE_PROMPT_CACHE)
+                self._proof.before_next_park(time.monotonic() - started)
             elif woken_from_park and not woken_in_place:
                 # A wake that started the unit afresh is a clean start of the same files, as a cold
                 # start is: the requests it woke for go first, its proof follows them.
@@ -544,6 +540,13 @@ class DeploymentActor:
         if not in_place:
             saved_cache = await self._prompt_cache.save()
             timeline.lap(phases.SAVE_PROMPT_CACHE)
+            if self._proof.left_for_park:
+                with self.requests.hold_as_request():
+                    failure = await self._proof.at_park()
+                if failure is not None:  # computed by an engine that failed its proof: not restored
+                    saved_cache = self._prompt_cache.discard(saved_cache,
+                                                             f"the proof after its last wake failed: {failure}")
+                timeline.lap(phases.PROOF)
             await self.engine_unit.stop()
             timeline.lap(phases.UNIT_STOP)
             self.parked_in_place = False

@@ -172,6 +172,14 @@ class PromptCacheKeeper:
                              timeout=d.spec.timeouts.wake, directory=prompt_cache_dir(d.name),
                              identity_now=self._identity())
 
+    def discard(self, saved: dict[str, Any] | None, why: str) -> dict[str, Any] | None:
+        """A cache just saved that must not be restored (the engine that computed it failed its
+        proof): its files removed; the park record's entry."""
+        if not saved or saved.get("state") != SAVED:
+            return saved
+        remove_files(prompt_cache_dir(self._deployment.name), [str(f) for f in saved.get("files") or []])
+        return {"state": DROPPED, "why": why, "files": [], "tokens": 0}
+
     def drop(self) -> dict[str, Any] | None:
         """A stop or delete: a cache saved at a park is not kept past it; the park record's new
         entry, or None when nothing was saved."""

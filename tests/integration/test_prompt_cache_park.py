@@ -76,12 +76,19 @@ def test_the_next_turn_after_a_wake_reuses_the_conversation(capyhost, smollm2):
     metrics = urllib.request.urlopen(request, timeout=10).read().decode()
     assert f'capyctl_park_prompt_cache_restored_tokens{{deployment="smollm2"}} {float(restored["tokens"])}' in metrics
 
-    # Parked again: the conversation is still what the slots hold (the wake's proof ran before
-    # the restore, so it did not move the conversation into llama-server's RAM cache), and the
-    # next wake restores it again.
+    # The wake's proof did not hold that turn: it waits for the next park.
+    record = capyhost.cli_json("status", "deployment", "smollm2")["park_record"]
+    assert "proof" not in [p["phase"] for p in record["last_wake"]["phases"]], record["last_wake"]
+    proven_before = (record.get("proof") or {}).get("at")
+    # Parked again: the conversation is still what the slots hold (the proof ran after the save,
+    # so it did not move the conversation into llama-server's RAM cache first), the proof passed,
+    # and the next wake restores the conversation again.
     capyhost.cli("park", "deployment", "smollm2")
     again = prompt_cache(capyhost)
     assert again["state"] == "saved" and again["tokens"] >= saved["tokens"], again
+    record = capyhost.cli_json("status", "deployment", "smollm2")["park_record"]
+    assert record["proof"]["result"] == "passed" and record["proof"]["at"] != proven_before, record["proof"]
+    assert [p["phase"] for p in record["last_park"]["phases"]][:3] == ["drain", "save prompt cache", "proof"]
     _, cached = turn(client, second)
     assert cached > 1000, f"the turn after the second wake took only {cached} prompt tokens from the cache"
 

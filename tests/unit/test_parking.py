@@ -214,3 +214,50 @@ def test_status_shows_the_last_wake_and_park_phases():
     assert ("last wake's phases: evict 50 ms, open gate 4 ms, health 400 ms, first answer 100 ms; evicted qwen; "
             "0.65s from their last answer to its first") in text
     assert "last park's phases: drain 0 ms, unit stop 30 ms" in text
+
+
+def test_a_proof_left_for_the_park_runs_there_unless_room_is_wanted(monkeypatch):
+    """A wake that restored a prompt cache leaves its proof for the next park (WakeProof.
+    before_next_park): there it runs once, and is skipped (and recorded so) while another
+    deployment waits for room."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from capyctl.controller._proof import WakeProof
+
+    saved: dict = {}
+    controller = SimpleNamespace(room_wanted=lambda: False)
+    deployment = SimpleNamespace(name="chat", controller=controller, park_record={},
+                                 save_park_record=lambda **changes: saved.update(changes))
+    proof = WakeProof(deployment)
+    checked: list = []
+
+    async def check(self, woken_from_park, wake_seconds, current=None):
+        checked.append(wake_seconds)
+        return "after the wake the model generated 'x'"
+
+    monkeypatch.setattr(WakeProof, "check", check)
+    assert not proof.left_for_park and asyncio.run(proof.at_park()) is None and checked == []
+    proof.before_next_park(0.25)
+    assert proof.left_for_park
+    assert asyncio.run(proof.at_park()) == "after the wake the model generated 'x'" and checked == [0.25]
+    assert not proof.left_for_park  # once
+    proof.before_next_park(0.5)
+    controller.room_wanted = lambda: True
+    assert asyncio.run(proof.at_park()) is None and checked == [0.25]
+    assert saved["proof"]["result"] == "skipped" and saved["wake_seconds"] == 0.5
+
+
+def test_a_saved_prompt_cache_is_discarded_when_its_engine_failed_its_proof(monkeypatch):
+    from types import SimpleNamespace
+
+    from capyctl.controller import _prompt_cache as prompt_cache
+
+    removed: list = []
+    monkeypatch.setattr(prompt_cache, "remove_files", lambda directory, files: removed.extend(files))
+    keeper = prompt_cache.PromptCacheKeeper(SimpleNamespace(name="chat"))
+    saved = {"state": "saved", "files": ["capyctl-slot-0.bin"], "tokens": 1200}
+    dropped = keeper.discard(saved, "the proof after its last wake failed: x")
+    assert dropped == {"state": "dropped", "why": "the proof after its last wake failed: x", "files": [], "tokens": 0}
+    assert removed == ["capyctl-slot-0.bin"]
+    assert keeper.discard(None, "why") is None
