@@ -40,6 +40,9 @@ class Deployment(_Open):
     in_flight: int = 0
     waiting: int = 0
     parked_in_place: bool = False
+    parked: Literal["no", "stopped", "armed", "in_place"] = Field(
+        default="no", description="How it is parked: its unit stopped, its next launch's unit held at its gate "
+        "(armed), or the engine asleep in its unit (in_place); no while it is not parked.")
     armed: bool = Field(default=False, description="Parked by stopping, with the next launch's unit already "
                         "started and held at its gate: the wake only opens it.")
     door: Literal["open", "closed"] = Field(

@@ -47,10 +47,11 @@ from ..proxy.router import Upstream
 from ..spec import DeploymentSpec
 from ..store import Revision
 from ._admission import Admission, Busy
-from ._launch import PARKED_IN_PLACE, PreparedUnit, spec_capabilities
+from ._launch import PreparedUnit, spec_capabilities
 from ._lifecycle import RESTING, Command, DeploymentState, InvalidTransition, QueuedCommand, allowed
 from ._liveness import Liveness, hung_stop_grace
 from ._members import GroupUnits
+from ._park_modes import IN_PLACE, RESTART as RESTART_MODE, InvalidParkedTransition, Parked, parked_allowed
 from ._parking import new_record as new_park_record, now as wall_clock, park_tier
 from ._proof import WakeProof
 from ._prompt_cache import PromptCacheKeeper
@@ -99,9 +100,9 @@ class DeploymentActor:
         self.key: str | None = None
         self.model_path: str | None = None
         self.model_commit: str | None = revision.model_commit
-        self.parked_in_place = False
-        self._proof = WakeProof(self)
-        self._prompt_cache = PromptCacheKeeper(self)  # kept across a park by stopping
+        self.parked = Parked.NO  # how it is parked, while it is (_park_modes.py); written by _set_parked alone
+        self.proof = WakeProof(self)
+        self.prompt_cache = PromptCacheKeeper(self)  # kept across a park by stopping
         # The park record (tier reached, wake seconds, proof after wake, the proof's reference),
         # kept in the store across daemon restarts (_parking.py).
         self.park_record: dict[str, Any] = controller.load_park_record(self.name) or new_park_record(RESTART)
@@ -193,6 +194,18 @@ class DeploymentActor:
     def park_tier(self) -> str:
         """The tier this deployment parks at on its host (_parking.park_tier)."""
         return park_tier(self.controller, self.spec, self.host, self.park_record)
+
+    @property
+    def parked_in_place(self) -> bool:
+        return self.parked == Parked.IN_PLACE
+
+    def _set_parked(self, parked: Parked) -> None:
+        """The one place the parked sub-state changes; the change must be in PARKED_TRANSITIONS."""
+        if not parked_allowed(self.parked, parked):
+            raise InvalidParkedTransition(f"deployment {self.name!r} may not go from parked {self.parked} to {parked}")
+        if parked == Parked.NO and self.parked == Parked.ARMED:
+            self.engine_unit.disarm()  # what the armed unit was planned with is of no use any more
+        self.parked = parked
 
     def save_park_record(self, **changes: Any) -> None:
         self.park_record = {**self.park_record, **changes}
@@ -316,8 +329,9 @@ class DeploymentActor:
         async with self._start_failures():
             # Evicted without arming (its park made room for a wake that waited): arm now, beside
             # the wait for room, so the wake opens a gate rather than starting a unit.
-            arming = self.engine_unit.arm_beside(self._prompt_cache.directory()) \
-                if woken_from_park and not self.parked_in_place else None
+            arming = asyncio.create_task(RESTART_MODE.arm(self), name=f"arm:{self.name}") \
+                if self.state == DeploymentState.PARKED and self.parked == Parked.STOPPED \
+                and self.engine_unit.can_arm() else None
             try:
                 await self.controller.make_room(self, progress, timeline)
             finally:
@@ -328,34 +342,25 @@ class DeploymentActor:
                 self._set(DeploymentState.WAKING)
                 await self.engine_unit.describe(DeploymentState.WAKING)
                 progress("waking the engine in place")
-                adapter = self.controller.adapter(self.spec)
-                await asyncio.wait_for(
-                    adapter.wake(self.controller.http, self.upstream().base_url, self.key,
-                                 TIER_SLEEP_LEVEL.get(self.park_record.get("tier") or "", 1),
-                                 model_path=self.model_path),
-                    timeout=self.spec.timeouts.wake)
-                self.parked_in_place = False
+                await IN_PLACE.wake(self)
                 woken_in_place = True
                 timeline.lap(phases.WAKE_IN_PLACE)
             else:
                 self._set(DeploymentState.STARTING if self.state in (DeploymentState.STOPPED, DeploymentState.FAILED) else DeploymentState.WAKING)
-                if await self.engine_unit.open_armed(progress):
-                    await self.engine_unit.describe(self.state)
-                else:
-                    await self._launch(progress)
+                await RESTART_MODE.wake(self, progress, lambda: self._launch(progress))
             await self._wait_healthy(progress, self.spec.timeouts.start)
             timeline.lap(phases.HEALTH)
-            restoring = not woken_in_place and self._prompt_cache.pending()
+            restoring = not woken_in_place and self.prompt_cache.pending()
             if restoring:
                 # A restart wake is a clean start of the same files: the requests go first. Its
                 # proof waits for the next park, after the save (WakeProof.before_next_park).
-                self.save_park_record(prompt_cache={**await self._prompt_cache.restore(progress), "at": wall_clock()})
+                self.save_park_record(prompt_cache={**await self.prompt_cache.restore(progress), "at": wall_clock()})
                 timeline.lap(phases.RESTORE_PROMPT_CACHE)
-                self._proof.before_next_park(time.monotonic() - started)
+                self.proof.before_next_park(time.monotonic() - started)
             elif woken_from_park and not woken_in_place:
                 # A wake that started the unit afresh is a clean start of the same files, as a cold
                 # start is: the requests it woke for go first, its proof follows them.
-                self._proof.after_requests(time.monotonic() - started)
+                self.proof.after_requests(time.monotonic() - started)
             else:
                 await self._prove(progress, woken_from_park, time.monotonic() - started)
                 timeline.lap(phases.PROOF)
@@ -409,7 +414,7 @@ class DeploymentActor:
         model); after a wake, generate it again and compare. A failed proof restarts the engine
         cleanly (a cold start is the floor, and its generation becomes the reference); after
         MAX_PROOF_FAILURES in a row the in-place park is turned off, with the reason."""
-        failure = await self._proof.check(woken_from_park, wake_seconds)
+        failure = await self.proof.check(woken_from_park, wake_seconds)
         if failure is None:
             return
         progress("the wake failed its proof; restarting the engine")
@@ -434,10 +439,10 @@ class DeploymentActor:
         await self.engine_unit.stop()
         await self._launch(progress)
         await self._wait_healthy(progress, self.spec.timeouts.start)
-        self._proof.record_reference(await self._proof.generate())
+        self.proof.record_reference(await self.proof.generate())
 
     async def _launch(self, progress: Progress) -> None:
-        await self.engine_unit.launch(progress, gated=False, prompt_cache_dir=self._prompt_cache.directory())
+        await self.engine_unit.launch(progress, gated=False, prompt_cache_dir=self.prompt_cache.directory())
 
     def record_launch(self, prepared: PreparedUnit) -> None:
         """What a launch was planned with (EngineUnit.launch), recorded before its unit starts."""
@@ -462,7 +467,7 @@ class DeploymentActor:
             self.journal = []
         # A unit that failed to become healthy is stopped so it holds no memory.
         await self.engine_unit.stop_failed(self.spec.timeouts.stop)
-        self.parked_in_place = False
+        self._set_parked(Parked.NO)
         self._set(DeploymentState.FAILED, f"{code}: {message}")
         if self._wake_future is not None and not self._wake_future.done():
             self._wake_future.set_exception(Unavailable(message, code=code))
@@ -470,8 +475,9 @@ class DeploymentActor:
     async def _do_unit_exited(self, code: str, message: str, launch: str | None = None) -> None:
         if launch is not None and launch != self.launch_id:
             return  # an earlier launch's unit (a park by stopping may have armed the next already)
-        if self.state == DeploymentState.PARKED and not self.parked_in_place:
+        if self.parked == Parked.ARMED:
             self.engine_unit.disarm()  # the armed unit is gone: the wake starts one
+            self._set_parked(Parked.STOPPED)
         if self.state == DeploymentState.FAILED or (self.state in (DeploymentState.STOPPED, DeploymentState.PARKED, DeploymentState.STOPPING) and not self.parked_in_place):
             return
         await self._fail(code, message)
@@ -501,7 +507,7 @@ class DeploymentActor:
             return await self._park_group(evicting, reason)
         if self.state == DeploymentState.PARKED and self.parked_in_place and not in_place_ok:
             await self.engine_unit.stop()  # its weights held host RAM that another deployment needs
-            self.parked_in_place = False
+            self._set_parked(Parked.STOPPED)
             self._set(DeploymentState.PARKED, reason)
             return self.state
         if self.state != DeploymentState.READY:  # (between commands a deployment is at rest)
@@ -527,41 +533,17 @@ class DeploymentActor:
             raise
         timeline.lap(phases.DRAIN)
         if in_place:
-            try:
-                await asyncio.wait_for(
-                    adapter.park(self.controller.http, self.upstream().base_url, self.key, TIER_SLEEP_LEVEL[tier]),
-                    timeout=self.spec.timeouts.park)
-                self.parked_in_place = True
-            except (CapyError, asyncio.TimeoutError) as exc:
-                log.warning("deployment %s: in-place park failed (%s); stopping the unit", self.name, exc)
-                in_place = False
+            in_place = await IN_PLACE.park(self, tier)  # else it parks by stopping
             timeline.lap(phases.PARK_IN_PLACE)
-        saved_cache = None
-        if not in_place:
-            saved_cache = await self._prompt_cache.save()
-            timeline.lap(phases.SAVE_PROMPT_CACHE)
-            if self._proof.left_for_park:
-                with self.requests.hold_as_request():
-                    failure = await self._proof.at_park()
-                if failure is not None:  # computed by an engine that failed its proof: not restored
-                    saved_cache = self._prompt_cache.discard(saved_cache,
-                                                             f"the proof after its last wake failed: {failure}")
-                timeline.lap(phases.PROOF)
-            await self.engine_unit.stop()
-            timeline.lap(phases.UNIT_STOP)
-            self.parked_in_place = False
-        else:
-            await self.engine_unit.describe(PARKED_IN_PLACE)
+        kept = {} if in_place else await RESTART_MODE.park(self, timeline)
         self.parks += 1
         self._set(DeploymentState.PARKED, reason)
         # What the park really released: memory NVML or the cgroup still shows stays charged.
         retained = await self.controller.retain_after_park(self) if in_place else {}
         self.save_park_record(tier=tier if in_place else RESTART, parked_at=wall_clock(), parked_in_place=in_place,
-                               retained=retained, prompt_cache=saved_cache)
+                               retained=retained, prompt_cache=kept.get("prompt_cache"))
         if not in_place and (idle or not evicting):
-            await self.engine_unit.preseal()
-            if self.engine_unit.can_arm():
-                await self.engine_unit.arm(self._prompt_cache.directory())
+            await RESTART_MODE.arm(self)
             timeline.lap(phases.ARM)
         self._keep_park_timeline(timeline)
         return self.state
@@ -588,7 +570,8 @@ class DeploymentActor:
             return self.state  # not placed there: a wake under way fails or places it elsewhere
         serving = self.state == DeploymentState.READY
         await self.engine_unit.abandon()
-        self.parked_in_place, self.launch_id = False, None  # no unit of it is to be adopted there
+        self.launch_id = None  # no unit of it is to be adopted there
+        self._set_parked(Parked.STOPPED)
         self._set(DeploymentState.PARKED, f"host {host!r} was lost; it starts on another host at its next wake")
         if serving:
             self.submit(Command.WAKE)  # as before the loss; waiting requests join it
@@ -605,10 +588,10 @@ class DeploymentActor:
         except Busy:
             pass  # an explicit stop goes ahead after the grace time
         await self.engine_unit.stop()
-        dropped = self._prompt_cache.drop()
+        dropped = self.prompt_cache.drop()
         if dropped is not None:
             self.save_park_record(prompt_cache=dropped)
-        self.parked_in_place = False
+        self._set_parked(Parked.NO)
         self.failures = 0
         self._set(DeploymentState.STOPPED)
         return self.state
@@ -625,7 +608,7 @@ class DeploymentActor:
     async def _do_restore_parked(self) -> str:
         """Reconcile found it recorded parked and no unit of it running: parked by stopping."""
         if self.state == DeploymentState.STOPPED:
-            self.parked_in_place = False
+            self._set_parked(Parked.STOPPED)
             self._set(DeploymentState.PARKED, self.reason)
         return self.state
 
@@ -634,7 +617,7 @@ class DeploymentActor:
         (the next request retries at once)."""
         if self.state in RESTING:
             self.failed_at = time.monotonic() - RESTART_BACKOFF_MAX_S
-            self.parked_in_place = False
+            self._set_parked(Parked.NO)
             self._set(DeploymentState.FAILED, "the engine's unit failed while CapyCTL was not running")
         return self.state
 
@@ -658,17 +641,17 @@ class DeploymentActor:
             # Armed at a park by the previous daemon, which alone knew what it was planned with; or
             # cut short in a park, wake or stop, so that its engine may sleep though it answers its
             # health check (vLLM's /health does): stopped, and the next wake starts it afresh.
-            await self.engine_unit.stop()
-            self.parked_in_place = False
+            await RESTART_MODE.adopt(self)
             stopping = runtime.state == DeploymentState.STOPPING
+            if not stopping:
+                self._set_parked(Parked.STOPPED)
             self._set(DeploymentState.STOPPED if stopping else DeploymentState.PARKED, "adopted")
             return self.state
-        self.engine_unit.adopted()
         if runtime.state == DeploymentState.PARKED:
-            self.parked_in_place = True
-            await self.engine_unit.describe(PARKED_IN_PLACE)
+            await IN_PLACE.adopt(self)
             self._set(DeploymentState.PARKED, "adopted")
             return self.state
+        self.engine_unit.adopted()
         try:
             await self._wait_healthy(no_progress, self.spec.timeouts.start)
         except (asyncio.TimeoutError, CapyError) as exc:
@@ -713,7 +696,7 @@ class DeploymentActor:
             self.engine_unit.mark_exited()  # the group stopped its members itself
             await self._fail(exc.code, exc.message)
             raise
-        self.parked_in_place = False
+        self._set_parked(Parked.NO)
         self.groups.watch()
         self.failures = 0
         self.wakes += 1
@@ -734,7 +717,7 @@ class DeploymentActor:
         except Busy:
             self._set(DeploymentState.READY)
             raise
-        self.parked_in_place = await self.groups.park(self.spec.timeouts.park)
+        self._set_parked(Parked.IN_PLACE if await self.groups.park(self.spec.timeouts.park) else Parked.STOPPED)
         if not self.parked_in_place:
             self.engine_unit.mark_exited()
         self.parks += 1

@@ -33,7 +33,7 @@ def describe(actor: Any) -> dict:
         else [actor.host] if actor.launch_id or not spec.hosts else spec.hosts,
         "host_state": actor.controller.host_state(actor.host), "in_flight": actor.in_flight,
         "waiting": actor.waiting, "last_used": actor.last_used or None, "parked_in_place": actor.parked_in_place,
-        "armed": actor.engine_unit.armed,
+        "armed": actor.parked == "armed", "parked": actor.parked,
         # Taking turns (_turns.py): its door closed while another deployment waits for its room.
         "door": "open" if actor.requests.door_open else "closed",
         "wakes": actor.wakes, "parks": actor.parks, "aliases": spec.aliases,

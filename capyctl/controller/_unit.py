@@ -69,8 +69,8 @@ class EngineUnit:
         # The next launch's key, sealed when the deployment parked by stopping (preseal).
         self._presealed: Presealed | None = None
         # What the armed launch was planned with (launch_inputs), compared at the wake; None
-        # when no unit is armed.
-        self._armed: tuple | None = None
+        # when no unit is armed (whether one is, is the actor's parked sub-state: _park_modes.py).
+        self._armed_inputs: tuple | None = None
         self._exited = asyncio.Event()  # the unit is gone (or was never started)
         self._expect_exit = False  # a stop of ours: the watch reports no exit
         self._watch_task: asyncio.Task | None = None
@@ -86,10 +86,6 @@ class EngineUnit:
     @property
     def exited(self) -> bool:
         return self._exited.is_set()
-
-    @property
-    def armed(self) -> bool:
-        return self._armed is not None
 
     async def active(self) -> bool:
         state = await self.systemd.unit_state(self._owner.unit)
@@ -147,7 +143,7 @@ class EngineUnit:
 
     async def stop(self) -> None:
         """Stop the unit and forget it: its watch, its forward and its port."""
-        self._armed = None
+        self._armed_inputs = None
         self._expect_exit = True
         await self.systemd.stop_unit(self._owner.unit, self._owner.spec.timeouts.stop)
         await self._forget()
@@ -156,7 +152,7 @@ class EngineUnit:
         """Its host was lost and the deployment moves: forget the unit without reaching the host
         (Controller.reconcile stops the unit when the host is back). Its forward goes too, so the
         reconnect does not open a way to the old engine again."""
-        self._armed = self._presealed = None
+        self._armed_inputs = self._presealed = None
         self._expect_exit = True
         await self._forget()
 
@@ -283,9 +279,9 @@ class EngineUnit:
     def forget_presealed(self) -> None:
         self._presealed = None
 
-    async def arm(self, prompt_cache_dir: str | None) -> None:
-        """After a park by stopping: start the next launch's unit now, held at its gate. Its
-        failure only means the wake starts the unit."""
+    async def arm(self, prompt_cache_dir: str | None) -> bool:
+        """After a park by stopping: start the next launch's unit now, held at its gate; whether
+        it is. Its failure only means the wake starts the unit."""
         try:
             await self.launch(_no_progress, gated=True, prompt_cache_dir=prompt_cache_dir, timeline=Timeline())
         except Exception as exc:  # arming is an optimisation: whatever failed, the park stands
@@ -295,32 +291,18 @@ class EngineUnit:
                     self._owner.name, exc, exc_info=not expected)
             with contextlib.suppress(CapyError):
                 await self.stop()
-            return
-        self._armed = self.launch_inputs()
-
-    def arm_beside(self, prompt_cache_dir: str | None) -> asyncio.Task | None:
-        """Seal the next key and arm the next launch in a task of its own, which the caller awaits:
-        for the wake of a deployment whose park did not arm (an eviction, whose key sealing and
-        unit start would have held up the wake it made room for), beside that wake's wait for
-        room. None when a unit is armed already or cannot be."""
-        if self.armed or not self.can_arm():
-            return None
-
-        async def arm() -> None:
-            if self._presealed is None:
-                await self.preseal()
-            await self.arm(prompt_cache_dir)
-
-        return asyncio.create_task(arm(), name=f"arm:{self._owner.name}")
+            return False
+        self._armed_inputs = self.launch_inputs()
+        return True
 
     def disarm(self) -> None:
-        """The armed unit exited: the wake starts one."""
-        self._armed = None
+        """The armed unit exited, or will not be used: the wake starts one."""
+        self._armed_inputs = None
 
     async def open_armed(self, progress: Progress) -> bool:
         """Open the armed unit's gate; False (the unit stopped, if there was one) when the wake
         must launch afresh: nothing armed, its inputs changed, or it no longer waits at its gate."""
-        armed, self._armed = self._armed, None
+        armed, self._armed_inputs = self._armed_inputs, None
         if armed is None:
             return False
         unit = self._owner.unit

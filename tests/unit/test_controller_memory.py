@@ -10,6 +10,7 @@ import pytest
 
 from capyctl.config import DaemonConfig
 from capyctl.controller._memory import MemoryPlanner
+from capyctl.controller._park_modes import RESTART
 from capyctl.engines import adapter_for
 from capyctl.scheduler import GpuCard, NoRoom
 from capyctl.controller import DeploymentState
@@ -392,8 +393,14 @@ async def test_a_park_arms_the_next_launch_on_the_planned_card_and_a_changed_pla
     assert armed.exec_argv()[:4] == ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "capyctl-gate"]
     assert armed.devices == running.devices == ["/dev/nvidia7", "/dev/nvidiactl", "/dev/nvidia-uvm"]
     assert armed.markers["gate"] == "armed" and actor.describe()["armed"] is True
-    assert await actor.engine_unit.open_armed(lambda _: None) is True
+    launched = []
+
+    async def launch():
+        launched.append(actor.name)
+
+    await RESTART.wake(actor, lambda _: None, launch)  # as _do_wake does
     assert systemd.gates_opened == ["capyctl-chat.service"] and actor.describe()["armed"] is False
+    assert launched == [] and actor.parked == "no"
 
     # Parked again and armed; then placement moves it to the other card before the wake.
     actor._set(DeploymentState.WAKING)  # as _do_wake does around the gate it opened
@@ -401,9 +408,10 @@ async def test_a_park_arms_the_next_launch_on_the_planned_card_and_a_changed_pla
     await actor._do_park()
     assert systemd.started[-1].gated
     ctl.memory.gpus_for = lambda actor, rank=None: (0,)
-    assert await actor.engine_unit.open_armed(lambda _: None) is False
+    await RESTART.wake(actor, lambda _: None, launch)
     assert systemd.gates_opened == ["capyctl-chat.service"]  # that gate was not opened
     assert systemd.stopped[-1] == "capyctl-chat.service" and actor.describe()["armed"] is False
+    assert launched == ["chat"]  # launched afresh
 
 
 async def test_an_eviction_does_not_arm_but_an_idle_park_does(vllm_on_two_cards):
@@ -415,13 +423,17 @@ async def test_an_eviction_does_not_arm_but_an_idle_park_does(vllm_on_two_cards)
     await actor._launch(lambda _: None)
     actor._set("ready")
     await actor._do_park(evicting=True)
-    # Its next wake arms beside its wait for room, then opens that unit's gate: no unit is
-    # started after the room is made.
-    arming = actor.engine_unit.arm_beside(None)
-    assert arming is not None
-    await arming
-    assert systemd.started[-1].gated and actor.engine_unit.armed
-    assert await actor.engine_unit.open_armed(lambda _: None) and systemd.gates_opened == ["capyctl-chat.service"]
+    # Its next wake arms beside its wait for room (_do_wake), then opens that unit's gate: no
+    # unit is started after the room is made.
+    assert actor.parked == "stopped"
+    await RESTART.arm(actor)
+    assert systemd.started[-1].gated and actor.parked == "armed"
+
+    async def launch():
+        raise AssertionError("an armed wake starts no unit")
+
+    await RESTART.wake(actor, lambda _: None, launch)
+    assert systemd.gates_opened == ["capyctl-chat.service"] and actor.parked == "no"
     await actor._do_stop()
     await actor._launch(lambda _: None)
     actor._set("ready")

@@ -83,6 +83,40 @@ def test_failed_is_reachable_from_every_state_and_staying_is_always_allowed():
         assert allowed(state, state), state
 
 
+def test_the_parked_sub_state_has_a_row_for_each_and_leads_back_to_not_parked():
+    from capyctl.controller._park_modes import PARKED_TRANSITIONS, Parked, parked_allowed
+    assert set(PARKED_TRANSITIONS) == set(Parked)
+    for old, row in PARKED_TRANSITIONS.items():
+        assert row <= set(Parked) and old not in row
+        assert parked_allowed(old, old)
+        assert Parked.NO in row or old == Parked.NO  # every way of parking ends in a wake, stop or failure
+    # Arming needs a stopped unit; an engine asleep in place is never armed; a stopped unit does
+    # not fall asleep.
+    for old, new in ((Parked.NO, Parked.ARMED), (Parked.IN_PLACE, Parked.ARMED), (Parked.STOPPED, Parked.IN_PLACE),
+                     (Parked.ARMED, Parked.IN_PLACE)):
+        assert not parked_allowed(old, new), (old, new)
+
+
+async def test_the_actor_refuses_a_parked_sub_state_change_its_table_does_not_allow(tmp_path):
+    from capyctl.controller._park_modes import InvalidParkedTransition, Parked
+    from capyctl.spec import parse_manifest
+    from tests.controllers import vllm_controller
+
+    class _Systemd:
+        async def watch(self, name):
+            await asyncio.Event().wait()
+            yield  # pragma: no cover
+
+    async with vllm_controller(tmp_path, _Systemd()) as (ctl, model):
+        actor = await ctl.deploy(parse_manifest(f"name: a\nengine: vllm\nmodel: {{path: {model}}}\n"))
+        with pytest.raises(InvalidParkedTransition) as refused:
+            actor._set_parked(Parked.ARMED)
+        assert refused.value.code == "invalid_parked_transition" and actor.parked == Parked.NO
+        actor._set_parked(Parked.STOPPED)
+        actor._set_parked(Parked.ARMED)
+        assert actor.describe()["armed"] is True and actor.describe()["parked"] == "armed"
+
+
 def test_some_changes_are_not_allowed():
     assert not allowed(S.PARKED, S.READY)  # a wake goes through WAKING
     assert not allowed(S.STOPPED, S.STOPPING)
@@ -714,10 +748,14 @@ class LifecycleMachine(RuleBasedStateMachine):
                 agrees = unit is not None and unit.asleep and unit.markers.get("launch") == actor.launch_id
             elif actor.state == S.PARKED:
                 # parked by stopping: no unit, or the next launch's, held at its gate (armed)
-                agrees = unit is None or (unit.gated and actor.describe()["armed"])
+                agrees = (unit is None and actor.parked == "stopped") or \
+                    (unit is not None and unit.gated and actor.parked == "armed" and actor.describe()["armed"])
             else:
                 agrees = unit is None
             assert agrees, why
+            # The parked sub-state (controller/_park_modes.py) is "no" whenever it is not parked.
+            if actor.state != S.PARKED:
+                assert actor.parked == "no", f"{why}; parked {actor.parked}"
 
 
 @pytest.fixture
