@@ -75,9 +75,15 @@ def test_the_real_llama_server_passes_its_proof_after_a_wake(host):
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=120)
     host.cli_json("park", "deployment", "fake")
     assert _ask(client)
-    # A restart wake's proof follows the requests it woke for.
-    record = _proved_record(host, "fake")
+    # The wake restored the prompt cache llama-server saved at the park (the proof's reference
+    # filled a slot): its proof does not hold the request, it runs at the next park, after the
+    # save (controller/_proof.py, before_next_park).
+    woken = host.cli_json("status", "deployment", "fake")["park_record"]
+    assert woken["prompt_cache"]["state"] == "restored", woken
+    record = host.cli_json("park", "deployment", "fake")["park_record"]  # answered once parked
     assert record["tier"] == "restart" and record["proof"]["result"] == "passed", record
+    assert record["proof"]["at"] > woken["prompt_cache"]["at"], record
+    assert "proof" in [p["phase"] for p in record["last_park"]["phases"]], record["last_park"]
     assert 0 < record["wake_seconds"] < 60
     text = host.cli("status", "deployment", "fake").stdout
     assert "last park reached restart" in text and "proof passed" in text
