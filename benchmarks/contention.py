@@ -428,6 +428,8 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         "states": states, "records": records,
         "swaps": len(swaps), "swap_phases_s": swap_phases(swaps) if swaps else {},
         "swap_s": [float(w["swap_seconds"]) for w in swaps],
+        # What a batch took to serve, on average: the window less its swaps, per turn.
+        "batch_s": (args.seconds - sum(float(w["swap_seconds"]) for w in swaps)) / len(swaps) if swaps else None,
     })
     return result
 

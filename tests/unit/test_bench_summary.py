@@ -39,7 +39,8 @@ def _pvn(capy_ms: float = 10.1, nginx_ms: float = 10.05, direct_ms: float = 10.0
 
 
 def _scenario(answers: dict, *, failed: dict | None = None, latency: float = 0.5, wakes: int = 0,
-              one_wake: float | None = 0.4, seconds: float = 40.0) -> dict:
+              one_wake: float | None = 0.4, seconds: float = 40.0, swap: float = 1.0, own_start: float = 0.9,
+              batch: float = 2.0) -> dict:
     """contention.py's figures of one scenario, through its own summarize: ``answers`` per model
     (each ``latency`` seconds), ``failed`` requests per (model, code) answered 503 at once."""
     records = [[0, m, 0.0, latency, 200, None] for m, n in answers.items() for _ in range(n)]
@@ -48,6 +49,9 @@ def _scenario(answers: dict, *, failed: dict | None = None, latency: float = 0.5
     figures = contention.summarize(records, list(answers), seconds)
     figures.update({"wakes": wakes, "evictions": wakes, "one_wake_s": one_wake,
                     "wake_s": [one_wake] * wakes if one_wake else [], "states": {m: ["ready", None] for m in answers}})
+    if wakes:  # the swaps' timelines (contention.swap_phases) and the engine's own start by hand
+        figures.update({"swaps": wakes, "swap_phases_s": {"health": 0.4, "swap": swap}, "batch_s": batch,
+                        "own_start_s": [own_start * 0.6] * 3, "own_start_batch_s": [own_start] * 3})
     return figures
 
 
@@ -93,7 +97,8 @@ def test_every_row_of_the_issue_is_there_and_passes_within_its_goals():
                 "parked -> first token vs llama-server by hand", "daemon idle RSS after a few requests",
                 "daemon idle RSS after 100,000 requests (flat?)",
                 *(f"{n} models on room for one: {what}" for n in (2, 3) for what in (
-                    "failed requests", "smallest share of answers", "p99 latency", "answers vs one model")),
+                    "failed requests", "smallest share of answers", "p99 latency", "answers vs one model",
+                    "median swap vs the engine's own start by hand")),
                 "next turn (2000 tokens) after a park vs warm, wake included",
                 "next turn after a park: without restore vs with, wake included",
                 "next turn (2000 tokens) after a park vs warm, after the wake",
@@ -161,7 +166,7 @@ def test_what_was_not_measured_is_n_a_with_the_reason():
     assert by["parked -> first token vs llama-server by hand"].status == "n/a"
     assert by["parked -> first token vs llama-server by hand"].value == "needs root"
     assert all(r.status == "n/a" for r in rows)
-    assert "0 PASS, 0 MISS, 22 not measured" in bs.render_table(rows)
+    assert "0 PASS, 0 MISS, 24 not measured" in bs.render_table(rows)
 
 
 def test_litellm_rows_say_where_capyctl_stands_or_why_not():
@@ -176,7 +181,7 @@ def test_litellm_rows_say_where_capyctl_stands_or_why_not():
 def test_the_table_prints_every_row_with_goal_and_verdict():
     text = bs.render_table(bs.evaluate(_results()))
     assert "<= 0.25 ms over direct" in text and ">= 0.99x direct" in text and "<= 1.10x" in text
-    assert text.splitlines()[-1] == "22 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
+    assert text.splitlines()[-1] == "24 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
 
 
 def test_scale_lists_every_deployment():
@@ -200,7 +205,7 @@ def test_main_writes_summary_and_chart(tmp_path, capsys):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     assert bs.main([str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["rows"]) == 26 and summary["rows"][0]["status"] == "PASS"
+    assert len(summary["rows"]) == 28 and summary["rows"][0]["status"] == "PASS"
     hop = next(r for r in summary["rows"] if r["measure"].startswith("one hop"))
     assert hop["value"] == "200 us vs nginx's 100 us (2.000x); proxy CPU 300 us/request"
     assert "| " not in capsys.readouterr().out.splitlines()[0]
@@ -373,7 +378,7 @@ def test_a_slow_tail_or_too_few_answers_miss():
 
 def test_contention_not_run_or_failed_is_n_a_with_the_reason():
     rows = bs.contention_rows(None)
-    assert len(rows) == 8 and {r.status for r in rows} == {"n/a"}
+    assert len(rows) == 10 and {r.status for r in rows} == {"n/a"}
     assert rows[0].value == "contention.py wrote no result"
     partial = _contention(**{"two-batches": {"error": "RuntimeError: deploy failed"}})
     del partial["scenarios"]["three-batches"]
@@ -415,3 +420,46 @@ async def test_contention_clients_start_one_after_another_in_client_order():
     assert [model for _, model in arrived[:4]] == ["big-1", "big-2", "big-1", "big-2"]
     assert [b - a for (a, _), (b, _) in zip(arrived[:4], arrived[1:4])] == pytest.approx([stagger] * 3, abs=0.05)
     assert all(r[4] == 200 for r in records)
+
+
+def test_a_swap_is_judged_against_the_engines_own_start_with_the_same_requests():
+    rows = _by_measure(bs.contention_rows(_contention()))
+    row = rows["2 models on room for one: median swap vs the engine's own start by hand"]
+    assert row.status == "PASS" and row.ratio == pytest.approx(1.0 / 0.9)
+    assert "1000.00 ms vs 900.00 ms with the turn's requests at once" in row.value and "8 swaps" in row.value
+    slow = _scenario({"big-1": 150, "big-2": 140}, latency=2.0, wakes=8, swap=1.2, own_start=0.9)
+    row = _by_measure(bs.contention_rows(_contention(**{"two-batches": slow})))[row.measure]
+    assert row.status == "MISS" and row.ratio == pytest.approx(1.2 / 0.9)
+
+
+def test_where_a_start_is_longer_than_a_batch_the_answers_are_judged_against_its_ceiling():
+    # 150 answers of 400 (0.375x): a batch of 0.6 s and a start of 0.9 s cap a restart swap at 0.4x.
+    short = _scenario({"big-1": 80, "big-2": 70}, latency=2.0, wakes=8, batch=0.6, own_start=0.9)
+    row = _by_measure(bs.contention_rows(_contention(**{"two-batches": short})))["2 models on room for one: "
+                                                                                 "answers vs one model"]
+    assert bs.answer_ceiling(short, 0.9) == pytest.approx(0.4)
+    assert row.status == "PASS" and "ceiling 0.400x" in row.value  # 0.375 >= 0.9 * 0.4
+    fewer = _scenario({"big-1": 70, "big-2": 60}, latency=2.0, wakes=8, batch=0.6, own_start=0.9)
+    row = _by_measure(bs.contention_rows(_contention(**{"two-batches": fewer})))[row.measure]
+    assert row.status == "MISS"  # 0.325 < 0.36
+    # A batch longer than the start: 0.5x stands.
+    assert bs.answer_ceiling(_scenario({"big-1": 1}, wakes=8, batch=2.0, own_start=0.9), 0.9) is None
+
+
+def test_swaps_in_reads_the_wake_timelines_that_evicted_and_their_phase_medians():
+    evicted = {"kind": "park", "phases": [{"phase": "unit stop", "at": 99.95, "seconds": 0.05}],
+               "marks": {"last answer": 99.9}}
+    swap = {"kind": "wake", "at": 99.0, "seconds": 2.0, "evicted": [{"deployment": "big-2", **evicted}],
+            "phases": [{"phase": "health", "at": 100.0, "seconds": 0.4},
+                       {"phase": "first answer", "at": 100.4, "seconds": 0.5}], "swap_seconds": 1.0}
+    unanswered = {"kind": "wake", "at": 99.0, "seconds": 0.4, "phases": [{"phase": "health", "at": 99.0,
+                                                                          "seconds": 0.4}]}
+    journal = "\n".join([
+        f"90.0 vm capyctl[1]: INFO capyctl.controller: deployment big-1: wake timeline {json.dumps(swap)}",
+        f"101.0 vm capyctl[1]: INFO capyctl.controller: deployment big-1: wake timeline {json.dumps(swap)}",
+        f"102.0 vm capyctl[1]: INFO capyctl.controller: deployment big-2: wake timeline {json.dumps(unanswered)}",
+        f"103.0 vm capyctl[1]: INFO capyctl.controller: deployment small: wake timeline {json.dumps(swap)}"])
+    found = contention.swaps_in(journal, ["big-1", "big-2"], since=100.0)
+    assert [s["deployment"] for s in found] == ["big-1"]  # in the window, evicting, of a big model
+    assert contention.swap_phases(found + [{**swap, "swap_seconds": 3.0}]) == {
+        "park: unit stop": 0.05, "health": 0.4, "first answer": 0.5, "swap": 2.0}
