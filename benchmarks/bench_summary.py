@@ -41,7 +41,10 @@ GOAL_SWAP_VS_OWN_START = 1.25
 GOAL_ANSWERS_VS_CEILING = 0.9
 # (and p99 latency at most swap.wait_max plus one wake, both read from the run)
 # Issue 33's goals for kv_park.py: the next turn after a park, its prompt cache restored.
-GOAL_KV_VS_WARM = 1.3  # at most, against the same turn on the warm engine
+GOAL_KV_VS_WARM = 1.3  # at most, against the same turn on the warm engine, after an explicit wake
+# Issue 47: the turn sent to a parked deployment, its wake included, at most the warm turn plus the
+# engine's own start by hand (a restart park cannot beat that start, longer than a warm turn).
+GOAL_KV_VS_WARM_PLUS_START = 1.0
 GOAL_KV_VS_NO_RESTORE = 3.0  # at least this many times faster than a wake without restore
 CONTENTION_COUNTS = ((2, "two"), (3, "three"))
 STREAM_COUNTS = (1, 8, 64)
@@ -221,21 +224,33 @@ def wake_row(wake: dict[str, Any] | None) -> Row:
 
 
 def kv_park_rows(kv: dict[str, Any] | None) -> list[Row]:
-    """Issue 33: the second turn of a long conversation after a park, with and without restore."""
-    warm_goal, restore_goal = f"<= {GOAL_KV_VS_WARM:.1f}x warm", f">= {GOAL_KV_VS_NO_RESTORE:.0f}x faster"
-    whens = (("after_park", "wake included"), ("after_wake", "after the wake"))
+    """The next turn of a long conversation after a park, with and without restore: the wake
+    included, against the warm turn plus the engine's own start by hand (issue 47); after an
+    explicit wake, against the warm turn (issue 33)."""
+    park_goal, warm_goal = f"<= {GOAL_KV_VS_WARM_PLUS_START:.1f}x warm + own start", f"<= {GOAL_KV_VS_WARM:.1f}x warm"
+    restore_goal = f">= {GOAL_KV_VS_NO_RESTORE:.0f}x faster"
+    whens = (("after_park", "wake included", park_goal), ("after_wake", "after the wake", warm_goal))
     if not kv or not kv.get("median_s"):
         why = (kv or {}).get("error") or "kv_park.py wrote no result"
-        return [row for _, label in whens for row in (
-            Row(f"next turn after a park vs warm, {label}", why, warm_goal, "n/a"),
+        return [row for _, label, goal in whens for row in (
+            Row(f"next turn after a park vs {'warm + own start' if label == 'wake included' else 'warm'}, {label}",
+                why, goal, "n/a"),
             Row(f"next turn after a park: without restore vs with, {label}", why, restore_goal, "n/a"))]
     m = kv["median_s"]
+    own = _median(kv.get("own_start_s"))
     rows = []
-    for when, label in whens:
-        r = kv[f"{when}_vs_warm"]
-        rows.append(Row(f"next turn ({kv.get('prompt_tokens')} tokens) after a park vs warm, {label}",
-                        f"{_x(r)} ({_ms(m[f'kv_{when}'])} vs {_ms(m['warm'])})", warm_goal,
-                        judge(r, GOAL_KV_VS_WARM, at_most=True), r))
+    for when, label, goal in whens:
+        if when == "after_park":
+            r = kv.get("after_park_vs_warm_plus_start")
+            rows.append(Row(f"next turn ({kv.get('prompt_tokens')} tokens) after a park vs warm + own start, {label}",
+                            f"{_x(r)} ({_ms(m['kv_after_park'])} vs {_ms(m['warm'])} + {_ms(own)})"
+                            if r is not None else "kv_park.py measured no start by hand",
+                            goal, judge(r, GOAL_KV_VS_WARM_PLUS_START, at_most=True), r))
+        else:
+            r = kv[f"{when}_vs_warm"]
+            rows.append(Row(f"next turn ({kv.get('prompt_tokens')} tokens) after a park vs warm, {label}",
+                            f"{_x(r)} ({_ms(m[f'kv_{when}'])} vs {_ms(m['warm'])})", goal,
+                            judge(r, GOAL_KV_VS_WARM, at_most=True), r))
         r = kv[f"no_restore_vs_restore_{when}"]
         rows.append(Row(f"next turn after a park: without restore vs with, {label}",
                         f"{_x(r)} ({_ms(m[f'nokv_{when}'])} vs {_ms(m[f'kv_{when}'])})", restore_goal,

@@ -62,6 +62,7 @@ from typing import Any, Iterable, Sequence
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+from _own_start import engine_own_start  # noqa: E402
 from bench_summary import p99  # noqa: E402
 
 RAM_BUDGET = "3GiB"
@@ -208,68 +209,6 @@ def swap_phases(swaps: Sequence[dict[str, Any]]) -> dict[str, float]:
     return {phase: statistics.median(values) for phase, values in by_phase.items()}
 
 
-def engine_own_start(launch_command: dict[str, Any], out: Path, runs: int, batch: int) -> dict[str, list[float]]:
-    """The engine's own start, by hand: the deployment's unit command line run directly (no unit,
-    no proxy, no key; capyctl/recipes/_runner.py's launch_direct), exec to the first answer of the
-    clients' request. Two ways, each ``runs`` times: ``one``, that request asked again at once while
-    it is refused or loading; ``batch``, /health polled as CapyCTL polls it, then ``batch`` of those
-    requests at once, as a swap's turn gets them (the first of them answered)."""
-    import concurrent.futures
-    import io
-    import urllib.error
-    import urllib.request
-
-    from capyctl.recipes._runner import StepLog, launch_direct, stop_direct
-    body = json.dumps({"model": "x", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
-                       "temperature": 0}).encode()
-
-    def ask(port: int) -> None:
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as r:
-            r.read()
-
-    def healthy(port: int) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                return r.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
-
-    def until(proc: Any, started: float, attempt: Any) -> None:
-        while not attempt():
-            if proc.poll() is not None or time.perf_counter() - started > 120:
-                raise RuntimeError(f"the engine started by hand did not serve (exit {proc.poll()})")
-            time.sleep(0.005)
-
-    def one_request(proc: Any, port: int, started: float) -> None:
-        def attempt() -> bool:
-            try:
-                ask(port)
-                return True
-            except (OSError, urllib.error.URLError):
-                return False
-        until(proc, started, attempt)
-
-    def many_at_once(proc: Any, port: int, started: float) -> None:
-        until(proc, started, lambda: healthy(port))
-        with concurrent.futures.ThreadPoolExecutor(batch) as pool:
-            waiting = [pool.submit(ask, port) for _ in range(batch)]
-            next(concurrent.futures.as_completed(waiting)).result()
-
-    figures: dict[str, list[float]] = {"one": [], "batch": []}
-    for _ in range(runs):
-        for kind, serve in (("one", one_request), ("batch", many_at_once)):
-            started = time.perf_counter()
-            proc, port = launch_direct(launch_command, out, 120.0, StepLog(stream=io.StringIO()))
-            try:
-                serve(proc, port, started)
-                figures[kind].append(time.perf_counter() - started)
-            finally:
-                stop_direct(proc)
-    return figures
-
-
 async def _ask(http: Any, url: str, key: str, model: str) -> tuple[int, str | None]:
     import aiohttp
     body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0}
@@ -402,7 +341,7 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         if scenario.models > 1 and args.own_start_runs:
             # The engine's own start beside the swaps, in the same run, after the window (the daemon idle).
             launch = host.cli_json("inspect", "deployment", bigs[0])["launch_command"]
-            own = engine_own_start(launch, host.root / "own-start", args.own_start_runs, args.clients)
+            own = engine_own_start(launch, host.root / "own-start", args.own_start_runs, PROMPT, batch=args.clients)
             result["own_start_s"], result["own_start_batch_s"] = own["one"], own["batch"]
     except Exception as exc:  # noqa: BLE001 - the scenario reports why and the run goes on
         tail = host.daemon_journal(30) if host.booted else ""

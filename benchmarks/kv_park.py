@@ -12,8 +12,13 @@ then times the second turn's first token, streamed through CapyCTL with the offi
                  client feels), restored cache and all; the same on ``nokv``;
   after wake     parked again, woken by ``capyctl wake``, then a third turn: the cache alone.
 
-Goals (issue 33): after a park with restore, at most 1.3x the warm turn; at least 3x faster than
-the same wake without restore. Medians over the runs. Needs root (the sandbox).
+Baseline for the wake: the engine's own start by hand (the ``kv`` unit's command line run directly,
+exec to the first answer of a short chat; benchmarks/_own_start.py), in the same run.
+
+Goals: after a park with restore, the wake included, at most the warm turn plus the engine's own
+start (issue 47: no restart park can beat the engine's own start, which is longer than a warm turn);
+after an explicit wake (the cache alone) at most 1.3x the warm turn; at least 3x faster than the
+same wake without restore (issue 33). Medians over the runs. Needs root (the sandbox).
 
 Run: .venv/bin/python benchmarks/kv_park.py [--runs 3] [--json FILE]
 """
@@ -34,7 +39,11 @@ import openai  # noqa: E402
 
 from tests.integration.capyhost import CapyHost, llama_server_path, smollm2_path  # noqa: E402
 
-GOAL_VS_WARM = 1.3
+sys.path.insert(0, str(REPO / "benchmarks"))
+from _own_start import engine_own_start  # noqa: E402
+
+GOAL_VS_WARM = 1.3  # after an explicit wake
+GOAL_VS_WARM_PLUS_START = 1.0  # after a park, the wake included: at most warm + the engine's own start
 GOAL_VS_NO_RESTORE = 3.0
 NOTES = 85  # with the nonce and the template, some 2,000 tokens of SmolLM2's tokenizer
 
@@ -109,6 +118,8 @@ def main() -> int:
                 host.cli("wake", "deployment", name)
                 figures[f"{name}_after_wake"].append(first_token(client, name, third)[0])
             print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1] * 1000:.0f} ms" for k, v in figures.items()), flush=True)
+        launch = host.cli_json("inspect", "deployment", "kv")["launch_command"]
+        own_start = engine_own_start(launch, host.root / "own-start", args.runs, "Say hi.")["one"]
     finally:
         host.teardown()
     median = {k: statistics.median(v) for k, v in figures.items()}
@@ -116,16 +127,21 @@ def main() -> int:
         "runs": args.runs, "prompt_tokens": prompt_tokens, "median_s": median, "samples_s": figures,
         "restored": restored,
         "after_park_vs_warm": median["kv_after_park"] / median["warm"],
+        "own_start_s": own_start,
+        "after_park_vs_warm_plus_start": median["kv_after_park"] / (median["warm"] + statistics.median(own_start)),
         "no_restore_vs_restore_after_park": median["nokv_after_park"] / median["kv_after_park"],
         "after_wake_vs_warm": median["kv_after_wake"] / median["warm"],
         "no_restore_vs_restore_after_wake": median["nokv_after_wake"] / median["kv_after_wake"],
-        "goals": {"vs_warm_at_most": GOAL_VS_WARM, "no_restore_vs_restore_at_least": GOAL_VS_NO_RESTORE},
+        "goals": {"vs_warm_at_most": GOAL_VS_WARM, "vs_warm_plus_start_at_most": GOAL_VS_WARM_PLUS_START,
+                  "no_restore_vs_restore_at_least": GOAL_VS_NO_RESTORE},
     }
     print(f"second turn of a {prompt_tokens}-token conversation, first token (median of {args.runs}):")
     for key, value in median.items():
         print(f"  {key:18} {value * 1000:8.0f} ms")
-    for key in ("after_park_vs_warm", "after_wake_vs_warm"):
-        print(f"  {key:34} {result[key]:.2f}x (goal <= {GOAL_VS_WARM}x)")
+    print(f"  {'engine own start':18} {statistics.median(own_start) * 1000:8.0f} ms (by hand)")
+    print(f"  {'after_park_vs_warm_plus_start':34} {result['after_park_vs_warm_plus_start']:.2f}x "
+          f"(goal <= {GOAL_VS_WARM_PLUS_START}x)")
+    print(f"  {'after_wake_vs_warm':34} {result['after_wake_vs_warm']:.2f}x (goal <= {GOAL_VS_WARM}x)")
     for key in ("no_restore_vs_restore_after_park", "no_restore_vs_restore_after_wake"):
         print(f"  {key:34} {result[key]:.2f}x (goal >= {GOAL_VS_NO_RESTORE}x)")
     if args.json:
