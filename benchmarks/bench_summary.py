@@ -38,6 +38,9 @@ GOAL_CONTENTION_ANSWERS = 0.5  # at least half the answers of the same clients o
 # the engine's own start by hand to its first answer, with the same requests waiting; where that
 # start is longer than a batch takes to serve, answers at least this share of the ceiling it sets.
 GOAL_SWAP_VS_OWN_START = 1.25
+# Issue 47, mixed load: the resident small model, asked once a second while two big ones take turns,
+# each deployment on cores of its own: its p99 at most this times its p99 alone.
+GOAL_MIXED_LIGHT_P99 = 2.0
 GOAL_ANSWERS_VS_CEILING = 0.9
 # (and p99 latency at most swap.wait_max plus one wake, both read from the run)
 # Issue 33's goals for kv_park.py: the next turn after a park, its prompt cache restored.
@@ -356,7 +359,7 @@ def contention_rows(contention: dict[str, Any] | None) -> list[Row]:
     scenarios = (contention or {}).get("scenarios") or {}
     if not scenarios:
         why = (contention or {}).get("error") or "contention.py wrote no result"
-        return [Row(m, why, g, "n/a") for n, _ in CONTENTION_COUNTS for m, g in measures(n)]
+        return [Row(m, why, g, "n/a") for n, _ in CONTENTION_COUNTS for m, g in measures(n)] + mixed_rows(None, why)
     ok = {name: s for name, s in scenarios.items() if not s.get("error")}
     one = ok.get("one")
     wait_max = contention.get("wait_max_s")
@@ -382,7 +385,27 @@ def contention_rows(contention: dict[str, Any] | None) -> list[Row]:
                             f"p50 {_s(a['p50_s'])}, p99 {_s(a['p99_s'])}"
                             + (f", {_x(_ratio(a['answered'], one['answered']))} one model" if one else ""),
                             "(baseline)", "info"))
-    return rows
+    return rows + mixed_rows(scenarios.get("two-mixed"), (contention or {}).get("error"))
+
+
+def mixed_rows(mixed: dict[str, Any] | None, error: str | None = None) -> list[Row]:
+    """Issue 47's mixed load: the resident small model's client beside two big models taking turns."""
+    p99_measure = "2 models taking turns: the resident model's p99, asked once a second, vs alone"
+    failed_measure = "2 models taking turns, a resident one asked: failed requests"
+    p99_goal, failed_goal = f"<= {GOAL_MIXED_LIGHT_P99:.1f}x", f"<= {GOAL_CONTENTION_FAILED}"
+    if not mixed or mixed.get("error"):
+        why = (mixed or {}).get("error") or error or "not measured in this run"
+        return [Row(p99_measure, why, p99_goal, "n/a"), Row(failed_measure, why, failed_goal, "n/a")]
+    light = mixed.get("light") or {}
+    alone = p99(mixed["light_alone_s"]) if mixed.get("light_alone_s") else None
+    r = _ratio(light.get("p99_s"), alone)
+    total = mixed["requests"] + light.get("requests", 0)
+    return [Row(p99_measure, f"{_x(r)} ({_ms(light.get('p99_s'))} vs {_ms(alone)} alone; "
+                             f"{light.get('answered', 0)} of {light.get('requests', 0)} answered)",
+                p99_goal, judge(r, GOAL_MIXED_LIGHT_P99, at_most=True), r),
+            Row(failed_measure, f"{mixed['failed']} of {total} ({_codes(mixed['failed_by_code'])}); "
+                                f"{mixed['answered']} big-model answers, {mixed['wakes']} swaps",
+                failed_goal, judge(mixed["failed"], GOAL_CONTENTION_FAILED, at_most=True), mixed["failed"])]
 
 
 def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, Any], a: dict[str, Any] | None,

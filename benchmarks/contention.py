@@ -24,7 +24,15 @@ Scenarios, all in one invocation (``--scenarios`` picks some):
 - ``one``: one big model, all 8 clients on it (and the light client): the upper bound;
 - ``two-batches``, ``three-batches``: two or three big models, ``swap.order: batches``;
 - ``two-arrival``, ``three-arrival``: the same with ``swap.order: arrival`` (requests served in
-  arrival order, one swap each time the model changes): the baseline batches are measured against.
+  arrival order, one swap each time the model changes): the baseline batches are measured against;
+- ``two-mixed`` (issue 47): ``two-batches`` with the light client asking ``small`` once a second,
+  and each deployment asking for a core of its own (``resources.cpus: 1``), so that the planner
+  keeps ``small`` on cores the big ones do not compute on. Before its window, ``small`` answers
+  LIGHT_ALONE_REQUESTS requests alone: its p99 under the swaps is judged against that.
+
+Each multi-model scenario also records its swaps' phases from the daemon's timelines (the "wake
+timeline" journal lines, capyctl/controller/_timeline.py) and the engine's own start by hand
+(benchmarks/_own_start.py) in the same run, one request and the turn's requests at once.
 
 Per scenario: answered and failed requests (failed by HTTP status and error code), swaps (the
 daemon's ``capyctl_wakes`` and ``capyctl_evictions`` of the big models over the window, from
@@ -84,11 +92,17 @@ class Scenario:
     name: str
     models: int  # big deployments
     order: str  # swap.order
+    # Mixed load (issue 47): the light client asks the small model once a second while the big ones
+    # take turns, and every deployment asks for one core of its own (resources.cpus: 1).
+    mixed: bool = False
 
 
 SCENARIOS = {s.name: s for s in (Scenario("one", 1, "batches"), Scenario("two-batches", 2, "batches"),
                                  Scenario("two-arrival", 2, "arrival"), Scenario("three-batches", 3, "batches"),
-                                 Scenario("three-arrival", 3, "arrival"))}
+                                 Scenario("three-arrival", 3, "arrival"),
+                                 Scenario("two-mixed", 2, "batches", mixed=True))}
+MIXED_LIGHT_PERIOD_S = 1.0
+LIGHT_ALONE_REQUESTS = 10  # the small model's latency alone, before a mixed scenario's window
 
 
 def big_names(count: int) -> list[str]:
@@ -130,6 +144,7 @@ def summarize(records: Iterable[Sequence[Any]], models: Sequence[str], seconds: 
         "max_s": max((r[3] - r[2] for r in records), default=None),
         "light": {"requests": len(light), "answered": len(light_ok), "failed": len(light) - len(light_ok),
                   "p50_s": statistics.median(light_ok) if light_ok else None,
+                  "p99_s": p99(light_ok) if light_ok else None,
                   "max_s": light_ok[-1] if light_ok else None},
     }
 
@@ -287,8 +302,23 @@ def _config(scenario: Scenario, quantum: str, wait_max: str) -> str:
             f"  order: {scenario.order}\n")
 
 
-def _manifest(name: str, model: str, ram: str, extra: str = "") -> str:
-    return f"name: {name}\nengine: llama\nmodel:\n  path: {model}\nresources: {{ram: {ram}}}\n{extra}"
+def _manifest(name: str, model: str, ram: str, extra: str = "", cpus: int | None = None) -> str:
+    resources = f"{{ram: {ram}" + (f", cpus: {cpus}" if cpus else "") + "}"
+    return f"name: {name}\nengine: llama\nmodel:\n  path: {model}\nresources: {resources}\n{extra}"
+
+
+async def _alone(url: str, key: str, model: str, count: int) -> list[float]:
+    """``count`` requests to ``model`` one after another with nothing else running: its latency alone."""
+    import aiohttp
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        for _ in range(count):
+            began = time.monotonic()
+            status, code = await _ask(http, url, key, model)
+            if status != 200:
+                raise RuntimeError(f"a request to {model} alone: {status} {code}")
+            out.append(time.monotonic() - began)
+    return out
 
 
 async def _warm(url: str, key: str, models: Sequence[str]) -> None:
@@ -321,19 +351,23 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, binary: str, mode
         config.write_text(_config(scenario, args.quantum, args.wait_max))
         host.start_daemon()
         host.cli("engine", "add", binary, "--name", "llama")
-        small = host.write_manifest(SMALL, _manifest(SMALL, model, SMALL_RAM, "park: never\n"))
+        cpus = 1 if scenario.mixed else None
+        small = host.write_manifest(SMALL, _manifest(SMALL, model, SMALL_RAM, "park: never\n", cpus))
         host.cli("deploy", "model", "--file", str(small), "--activate", "--wait")
         # Each big one started in turn: starting the next evicts the one before, which parks (its next
         # launch armed), as after a while of use; the last one stays resident.
         for name in bigs:
-            path = host.write_manifest(name, _manifest(name, model, BIG_RAM))
+            path = host.write_manifest(name, _manifest(name, model, BIG_RAM, cpus=cpus))
             host.cli("deploy", "model", "--file", str(path), "--activate", "--wait")
         key = host.create_key("--name", "bench")
         asyncio.run(_warm(host.base_url, key, [bigs[-1], SMALL]))  # a first prompt, outside the window
+        light_period = MIXED_LIGHT_PERIOD_S if scenario.mixed else args.light_period
+        if scenario.mixed:
+            result["light_alone_s"] = asyncio.run(_alone(host.base_url, key, SMALL, LIGHT_ALONE_REQUESTS))
         before = _metrics(host.base_url, key)
         since = time.time()
         records, wall = asyncio.run(load(host.base_url, key, bigs, args.clients, args.seconds,
-                                         args.request_timeout, args.light_period, args.stagger))
+                                         args.request_timeout, light_period, args.stagger))
         after = _metrics(host.base_url, key)
         journal = host.sh("journalctl", "-u", "capytest-daemon.service", "-u", "capyctl-*.service", "-o",
                           "short-unix", "--no-pager", check=False).stdout  # the engines' own lines too

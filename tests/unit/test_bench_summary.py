@@ -55,11 +55,24 @@ def _scenario(answers: dict, *, failed: dict | None = None, latency: float = 0.5
     return figures
 
 
+def _mixed(light_latency: float = 0.3, alone: float = 0.2) -> dict:
+    """The mixed scenario: two big models taking turns, the small one asked once a second (the
+    light client's records, each ``light_latency`` seconds), and its latency alone before."""
+    figures = _scenario({"big-1": 120, "big-2": 110}, latency=2.0, wakes=8)
+    records = [[0, "big-1", 0.0, 2.0, 200, None]] * 120 + [[1, "big-2", 0.0, 2.0, 200, None]] * 110
+    records += [["light", "small", 0.0, light_latency, 200, None]] * 30
+    figures.update({k: v for k, v in contention.summarize(records, ["big-1", "big-2"], 40.0).items()
+                    if k in ("light", "failed", "failed_by_code", "requests")})
+    figures["light_alone_s"] = [alone] * 10
+    return figures
+
+
 def _contention(**scenarios) -> dict:
     found = {"one": _scenario({"big-1": 400}),
              "two-batches": _scenario({"big-1": 150, "big-2": 140}, latency=2.0, wakes=8),
              "two-arrival": _scenario({"big-1": 40, "big-2": 40}, latency=3.0, wakes=80),
-             "three-batches": _scenario({"big-1": 90, "big-2": 80, "big-3": 85}, latency=3.0, wakes=9)}
+             "three-batches": _scenario({"big-1": 90, "big-2": 80, "big-3": 85}, latency=3.0, wakes=9),
+             "two-mixed": _mixed()}
     found.update(scenarios)
     return {"seconds": 40.0, "clients": 8, "quantum_s": 5.0, "wait_max_s": 30.0, "scenarios": found}
 
@@ -102,6 +115,8 @@ def test_every_row_of_the_issue_is_there_and_passes_within_its_goals():
                 *(f"{n} models on room for one: {what}" for n in (2, 3) for what in (
                     "failed requests", "smallest share of answers", "p99 latency", "answers vs one model",
                     "median swap vs the engine's own start by hand")),
+                "2 models taking turns: the resident model's p99, asked once a second, vs alone",
+                "2 models taking turns, a resident one asked: failed requests",
                 "next turn (2000 tokens) after a park vs warm + own start, wake included",
                 "next turn after a park: without restore vs with, wake included",
                 "next turn (2000 tokens) after a park vs warm, after the wake",
@@ -173,7 +188,7 @@ def test_what_was_not_measured_is_n_a_with_the_reason():
     assert by["parked -> first token vs llama-server by hand"].status == "n/a"
     assert by["parked -> first token vs llama-server by hand"].value == "needs root"
     assert all(r.status == "n/a" for r in rows)
-    assert "0 PASS, 0 MISS, 24 not measured" in bs.render_table(rows)
+    assert "0 PASS, 0 MISS, 26 not measured" in bs.render_table(rows)
 
 
 def test_litellm_rows_say_where_capyctl_stands_or_why_not():
@@ -188,7 +203,7 @@ def test_litellm_rows_say_where_capyctl_stands_or_why_not():
 def test_the_table_prints_every_row_with_goal_and_verdict():
     text = bs.render_table(bs.evaluate(_results()))
     assert "<= 0.25 ms over direct" in text and ">= 0.99x direct" in text and "<= 1.10x" in text
-    assert text.splitlines()[-1] == "24 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
+    assert text.splitlines()[-1] == "26 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
 
 
 def test_scale_lists_every_deployment():
@@ -212,7 +227,7 @@ def test_main_writes_summary_and_chart(tmp_path, capsys):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     assert bs.main([str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["rows"]) == 28 and summary["rows"][0]["status"] == "PASS"
+    assert len(summary["rows"]) == 30 and summary["rows"][0]["status"] == "PASS"
     hop = next(r for r in summary["rows"] if r["measure"].startswith("one hop"))
     assert hop["value"] == "200 us vs nginx's 100 us (2.000x); proxy CPU 300 us/request"
     assert "| " not in capsys.readouterr().out.splitlines()[0]
@@ -310,7 +325,7 @@ def test_summarize_counts_answers_failures_by_code_and_shares_without_the_light_
     assert s["p50_s"] == pytest.approx(1.0) and s["max_s"] == pytest.approx(90.0)  # max over every request
     assert s["answers_per_s"] == pytest.approx(0.3)
     assert s["light"] == {"requests": 2, "answered": 1, "failed": 1, "p50_s": pytest.approx(0.2),
-                          "max_s": pytest.approx(0.2)}
+                          "p99_s": pytest.approx(0.2), "max_s": pytest.approx(0.2)}
 
 
 def test_a_model_never_answered_has_share_zero():
@@ -385,7 +400,7 @@ def test_a_slow_tail_or_too_few_answers_miss():
 
 def test_contention_not_run_or_failed_is_n_a_with_the_reason():
     rows = bs.contention_rows(None)
-    assert len(rows) == 10 and {r.status for r in rows} == {"n/a"}
+    assert len(rows) == 12 and {r.status for r in rows} == {"n/a"}
     assert rows[0].value == "contention.py wrote no result"
     partial = _contention(**{"two-batches": {"error": "RuntimeError: deploy failed"}})
     del partial["scenarios"]["three-batches"]
@@ -470,3 +485,13 @@ def test_swaps_in_reads_the_wake_timelines_that_evicted_and_their_phase_medians(
     assert [s["deployment"] for s in found] == ["big-1"]  # in the window, evicting, of a big model
     assert contention.swap_phases(found + [{**swap, "swap_seconds": 3.0}]) == {
         "park: unit stop": 0.05, "health": 0.4, "first answer": 0.5, "swap": 2.0}
+
+
+def test_the_resident_models_p99_under_mixed_load_is_judged_against_its_latency_alone():
+    measure = "2 models taking turns: the resident model's p99, asked once a second, vs alone"
+    row = _by_measure(bs.contention_rows(_contention()))[measure]
+    assert row.status == "PASS" and row.ratio == pytest.approx(1.5) and "300.00 ms vs 200.00 ms alone" in row.value
+    row = _by_measure(bs.contention_rows(_contention(**{"two-mixed": _mixed(light_latency=0.41)})))[measure]
+    assert row.status == "MISS"
+    row = _by_measure(bs.contention_rows(_contention(**{"two-mixed": {"error": "RuntimeError: x"}})))[measure]
+    assert row.status == "n/a" and row.value == "RuntimeError: x"
