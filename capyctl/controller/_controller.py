@@ -368,10 +368,9 @@ class Controller:
                                     "waiting for room", retry_after=1.0)
             # Look again at the next change, when the quantum is up, and at least every ROOM_RECHECK_S.
             until_quantum = self.turns.quantum - waited
-            timeline.lap(MAKE_ROOM)
             await wait_for_beat(beat, min(self.turns.wait_max - waited, ROOM_RECHECK_S,
                                           until_quantum if until_quantum > 0 else ROOM_RECHECK_S))
-            timeline.lap(WAIT_FOR_ROOM)
+            timeline.lap(WAIT_FOR_ROOM)  # its looks at the plan included: one entry however long
 
     async def _place(self, actor: DeploymentActor, progress: Progress,
                      timeline: Timeline) -> tuple[bool, list[DeploymentActor]]:

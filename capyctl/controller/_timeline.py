@@ -49,7 +49,7 @@ def wall_clock() -> float:
 
 class Timeline:
     """Phases of one wake or park. ``lap(phase)`` closes the phase running since the previous lap
-    (or since the start); a phase lapped twice adds up."""
+    (or since the start); a phase lapped again later adds up in ``stages``."""
 
     def __init__(self, kind: str = WAKE, *, began_at: float | None = None) -> None:
         self.kind = kind
@@ -73,11 +73,15 @@ class Timeline:
         return out
 
     def lap(self, phase: str) -> float:
-        """Close ``phase``: it ran from the previous lap to now. Its seconds."""
+        """Close ``phase``: it ran from the previous lap to now (a phase lapped twice in a row is
+        one, so a long wait for room is one entry however often it looked again). Its seconds."""
         now = time.monotonic()
         seconds = max(0.0, now - self._last)
-        self.phases.append({"phase": phase, "at": round(wall_clock() - seconds, 6), "seconds": round(seconds, 6)})
         self._last = now
+        if self.phases and self.phases[-1]["phase"] == phase:
+            self.phases[-1]["seconds"] = round(self.phases[-1]["seconds"] + seconds, 6)
+        else:
+            self.phases.append({"phase": phase, "at": round(wall_clock() - seconds, 6), "seconds": round(seconds, 6)})
         return seconds
 
     def mark(self, name: str, at: float | None = None) -> None:

@@ -439,3 +439,14 @@ async def test_a_wake_nobody_asks_anything_of_ends_its_timeline_at_its_next_park
     # A park nobody evicted begins at its command, not at the last answer, and seals its next key.
     assert [p["phase"] for p in park["phases"]] == ["drain", "save prompt cache", "unit stop", "arm"]
     assert "marks" not in park
+
+
+def test_a_phase_lapped_again_in_a_row_is_one_entry():
+    from capyctl.controller._timeline import Timeline
+    timeline = Timeline()
+    for _ in range(50):  # a long wait for room, looked at again and again
+        timeline.lap("wait for room")
+    timeline.lap("evict")
+    timeline.lap("wait for room")
+    assert [p["phase"] for p in timeline.phases] == ["wait for room", "evict", "wait for room"]
+    assert timeline.stages["wait for room"] == pytest.approx(timeline.phases[0]["seconds"] + timeline.phases[2]["seconds"])
