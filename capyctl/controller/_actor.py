@@ -327,16 +327,21 @@ class DeploymentActor:
         woken_from_park = self.state == DeploymentState.PARKED
         woken_in_place = False
         async with self._start_failures():
-            # Evicted without arming (its park made room for a wake that waited): arm now, beside
-            # the wait for room, so the wake opens a gate rather than starting a unit.
-            arming = asyncio.create_task(RESTART_MODE.arm(self), name=f"arm:{self.name}") \
+            # Evicted without arming (its park made room for a wake that waited): when this wake
+            # has to wait for room in turn, it arms meanwhile, so that it opens a gate then rather
+            # than starting a unit. (A wake that need not wait starts the unit as it would arm it.)
+            arming: list[asyncio.Task] = []
+
+            def arm_while_waiting() -> None:
                 if self.state == DeploymentState.PARKED and self.parked == Parked.STOPPED \
-                and self.engine_unit.can_arm() else None
+                        and self.engine_unit.can_arm():
+                    arming.append(asyncio.create_task(RESTART_MODE.arm(self), name=f"arm:{self.name}"))
+
             try:
-                await self.controller.make_room(self, progress, timeline)
+                await self.controller.make_room(self, progress, timeline, waits=arm_while_waiting)
             finally:
-                if arming is not None:
-                    await arming
+                for task in arming:
+                    await task
             timeline.lap(phases.MAKE_ROOM)
             if self.state == DeploymentState.PARKED and self.parked_in_place and await self.engine_unit.active():
                 self._set(DeploymentState.WAKING)
