@@ -235,3 +235,22 @@ def test_the_cli_shows_the_daemons_manifest_problem_on_its_line_in_the_file(tmp_
     assert cli.main(["deploy", "model", "--file", str(manifest)]) == 2
     assert f"{manifest}:6: resources.cpus: asks for 64 cores" in capsys.readouterr().err
     assert problems_in_file(manifest, [problem]).problems[0].line == 6
+
+
+def test_an_adopted_unit_keeps_the_cores_it_runs_on_and_a_default_fits_the_host():
+    from capyctl.controller._memory import MemoryPlanner
+    from tests.fakes.deployments import PlacedDeploymentFake
+
+    planner = MemoryPlanner(DaemonConfig(host_cpu_reserve=0), local_gpus=(), local_cores=((0,), (1,), (2,), (3,)))
+    adopted = PlacedDeploymentFake(parse_manifest("name: a\nengine: llama.cpp\nmodel: {path: /models/a.gguf}\n"
+                                                  "resources: {ram: 1GiB, cpus: 2}\n"))
+    planner.adopting("a", "2-3")  # the unit's "cpus" marker
+    adopted.state = "ready"
+    planner.observe(adopted)
+    assert planner.cores_for(adopted) == ((2,), (3,))
+    # A model of unknown size (not on disk) gets its engine's default, at most what a host has.
+    default = PlacedDeploymentFake(parse_manifest("name: b\nengine: llama.cpp\nmodel: {path: /models/b.gguf}\n"))
+    assert planner.footprint(default).cores == 1
+    gpu = PlacedDeploymentFake(parse_manifest("name: g\nengine: llama.cpp\nmodel: {path: /models/g.gguf}\n"
+                                              "resources: {gpus: 1, gpu_memory: 1GiB}\n"))
+    assert planner.footprint(gpu).cores == 0  # a GPU deployment is not pinned unless it asks
