@@ -695,8 +695,10 @@ class Controller:
             "seconds": round(time.monotonic() - since, 3), "ahead": self.turns.ahead_of(name)}
         info["memory_current"] = info["memory_peak"] = None
         if actor.state in RUNNING or actor.parked_in_place:
-            systemd = self.hosts.systemd(actor.host)
             try:
+                # Inside the try: a host that is offline has no systemd to ask (host_offline), and
+                # its deployment's status must still answer, with its host_state saying why.
+                systemd = self.hosts.systemd(actor.host)
                 info["memory_current"] = await systemd.memory_current(actor.unit)
                 # Read from the cgroup filesystem, which is this machine's: a remote unit's is not here.
                 info["memory_peak"] = None if actor.remote else await systemd.memory_peak(actor.unit)
