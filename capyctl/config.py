@@ -16,6 +16,12 @@ DEFAULT_RUNTIME_DIR = "/run/capyctl"
 DEFAULT_LISTEN = "127.0.0.1:8000"
 UNIT_PREFIX = "capyctl-"
 SLICE = "capyctl.slice"
+# Hosts with at least this many cores keep one for the daemon by default (cpu_reserve).
+SMALL_HOST_CORES = 4
+# CPUWeight= of every engine unit: half systemd's default of 100, which the daemon's own unit
+# has (capyctl.slice has the same weight against system.slice: units/capyctl.slice), so that
+# under contention for a CPU the daemon and its proxy get twice the engines' share.
+ENGINE_CPU_WEIGHT = 50
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,9 @@ class DaemonConfig:
     host_ram_reserve: int = 1 << 30
     # Or, instead, the RAM CapyCTL may budget on each host (the rest is the reserve); None: unset.
     host_ram_budget: int | None = None
+    # Cores kept for the daemon, its proxy and the host, never given to an engine (the first
+    # ones); None: cpu_reserve_for's default.
+    host_cpu_reserve: int | None = None
     # Idle-park for deployments whose manifest sets no idle_park_after; None: only to make room.
     idle_park_after: float | None = None
     log_level: str = "info"
@@ -93,6 +102,14 @@ class DaemonConfig:
         if self.host_ram_budget is not None and ram_total:
             return max(0, ram_total - self.host_ram_budget)
         return self.host_ram_reserve
+
+    def cpu_reserve_for(self, cores: int) -> int:
+        """Cores kept out of the plan on a host with ``cores`` of them. By default one from
+        SMALL_HOST_CORES up, none below: on a small host a core kept idle for the daemon would
+        cost a large share of what engines could use, and there the daemon keeps its share by
+        CPU weight instead (ENGINE_CPU_WEIGHT). Never all of them."""
+        wanted = self.host_cpu_reserve if self.host_cpu_reserve is not None else int(cores >= SMALL_HOST_CORES)
+        return max(0, min(wanted, cores - 1))
 
     def dev_controls(self, host: str) -> bool:
         """Whether ``host`` allows engine development controls (the file's hosts.<name>.dev_controls)."""

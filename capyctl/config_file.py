@@ -82,6 +82,10 @@ class ConfigFile(_Strict):
                                      "(default 1GiB); CapyCTL budgets the rest. Not with ram_budget.")
     ram_budget: Size | None = Field(default=None, description="Host RAM CapyCTL may budget for deployments; "
                                     "the rest is kept for the host. Not with ram_reserve.")
+    cpu_reserve: int | None = Field(default=None, ge=0, description="Cores kept for the daemon, its proxy and "
+                                    "the host, never given to an engine (the first ones the daemon may run on; "
+                                    "always at least one core is left to engines). Default: 1 on a host with 4 "
+                                    "or more cores, 0 below (see docs/engines-and-parking.md, Cores on CPU hosts).")
     queue: QueueConfig = Field(default_factory=QueueConfig)
     swap: SwapConfig = Field(default_factory=SwapConfig)
     wait_progress: bool = Field(default=True, description="A streamed request that waits for room or a wake gets "
@@ -126,8 +130,8 @@ class ConfigFile(_Strict):
 
 
 # Fields a reload applies to the running daemon; any other change is reported as needing a restart.
-LIVE_FIELDS = ("log_level", "ram_reserve", "ram_budget", "queue", "swap", "wait_progress", "idle_park_after",
-               "hosts")
+LIVE_FIELDS = ("log_level", "ram_reserve", "ram_budget", "cpu_reserve", "queue", "swap", "wait_progress",
+               "idle_park_after", "hosts")
 RESTART_FIELDS = ("listen", "admin_token_file")
 
 
@@ -193,6 +197,7 @@ def apply(config: DaemonConfig, file: ConfigFile, overrides: Overrides) -> None:
     config.wait_progress = file.wait_progress
     config.host_ram_reserve = file.ram_reserve if file.ram_reserve is not None else DaemonConfig.host_ram_reserve
     config.host_ram_budget = file.ram_budget
+    config.host_cpu_reserve = file.cpu_reserve
     config.idle_park_after = file.idle_park_after
     config.admin_token_file = file.admin_token_file
 

@@ -126,6 +126,7 @@ async def create_deployment(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     spec = _validate(DeploymentSpec, body.get("spec"), "request body: spec")
     ctl.engine_for(spec)  # an unknown engine is a 400 before anything streams
+    ctl.check_cores(spec)  # as is a manifest asking for more cores than its hosts have (a 422)
     activate = bool(body.get("activate"))
     wait = bool(body.get("wait"))
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})

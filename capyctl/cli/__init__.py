@@ -8,6 +8,7 @@ its management socket.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import argcomplete
 
 from .. import __version__
 from ..errors import CapyError
-from ..spec import DeploymentSpec, EngineSpec, ManifestError, load_manifest
+from ..spec import DeploymentSpec, EngineSpec, ManifestError, load_manifest, problems_in_file
 from ._client import ApiClient
 from ._output import error, human_age, human_bytes, print_json, print_table
 
@@ -176,7 +177,18 @@ def cmd_deploy(args) -> int:
     body = {"spec": spec_body(spec), "activate": args.activate, "wait": args.wait}
     client = ApiClient(args.api_socket)
     final = None
-    for event in client.stream("POST", "/v1/deployments", body):
+    try:
+        events = client.stream("POST", "/v1/deployments", body)
+        first = next(events, None)
+    except CapyError as exc:
+        # What only the daemon can check (the cores its hosts have) comes back as manifest
+        # problems: shown on their lines in the file, as a local validation error would be.
+        problems = exc.detail.get("problems") if exc.code == "invalid_manifest" and isinstance(exc.detail, dict) \
+            else None
+        if problems:
+            raise problems_in_file(args.file, problems) from None
+        raise
+    for event in itertools.chain([first] if first is not None else [], events):
         kind = event.get("event")
         if kind == "progress" and not args.json:
             print(f"{spec.name}: {event['message']}", file=sys.stderr, flush=True)
@@ -232,7 +244,8 @@ def cmd_host_info(args) -> int:
     if args.json:
         print(inv.to_json())
     else:
-        print(f"{inv.hostname}: {inv.cpu_count} CPUs, RAM {human_bytes(inv.ram_available)} free of "
+        print(f"{inv.hostname}: {inv.cpu_count} CPUs in {len(inv.cores)} cores, "
+              f"RAM {human_bytes(inv.ram_available)} free of "
               f"{human_bytes(inv.ram_total)}, " + (f"{len(inv.gpus)} GPUs" if inv.gpus else
                                                    f"no GPUs ({inv.nvml_error})"))
         for g in inv.gpus:
@@ -396,11 +409,15 @@ def cmd_logs(args) -> int:
 
 # -- usage and the MCP server ----------------------------------------------------------------
 
-def _figure(value, unknown: dict, field: str) -> str:
+def _figure(value, unknown: dict, field: str, amount=human_bytes) -> str:
     # A figure CapyCTL could not measure reads "unknown", never "0" or "-": the reason follows the table.
     if value is None:
         return "unknown" if field in unknown else "-"
-    return human_bytes(value)
+    return amount(value)
+
+
+def _cores(count: int) -> str:
+    return f"{count} core" + ("" if count == 1 else "s")
 
 
 def cmd_usage(args) -> int:
@@ -419,9 +436,10 @@ def cmd_usage(args) -> int:
         for d in host["domains"]:
             unknown = d.get("unknown") or {}
             note(d["id"], unknown)
-            rows.append([d["id"], host["state"], d.get("model") or "", human_bytes(d["capacity"]),
-                         _figure(d["available"], unknown, "available"), human_bytes(d["reserved"]),
-                         human_bytes(d["unreserved"])])
+            amount = _cores if d.get("kind") == "cpu" else human_bytes
+            rows.append([d["id"], host["state"], d.get("model") or "", amount(d["capacity"]),
+                         _figure(d["available"], unknown, "available", amount), amount(d["reserved"]),
+                         amount(d["unreserved"])])
     print_table(["DOMAIN", "HOST STATE", "MODEL", "CAPACITY", "AVAILABLE", "RESERVED", "UNRESERVED"], rows)
     print()
     rows = []
@@ -432,10 +450,13 @@ def cmd_usage(args) -> int:
         held = []
         for d in dep["domains"]:
             note(f"deployment {dep['name']} on {d['id']}", d.get("unknown") or {})
-            held.append(f"{d['id']}={_figure(d['held'], d.get('unknown') or {}, 'held')}")
-        rows.append([dep["name"], dep["state"], dep["host"], dep["in_flight"], dep["waiting"], idle,
+            amount = _cores if d["id"].startswith("cpu:") else human_bytes
+            held.append(f"{d['id']}={_figure(d['held'], d.get('unknown') or {}, 'held', amount)}")
+        # The cores it runs on: CPU ids (and how many cores) per host; "-": not pinned, or not running.
+        cores = " ".join(f"{c['host']}:{c['cpus']} ({_cores(c['count'])})" for c in dep.get("cores") or []) or "-"
+        rows.append([dep["name"], dep["state"], dep["host"], cores, dep["in_flight"], dep["waiting"], idle,
                      " ".join(held)])
-    print_table(["DEPLOYMENT", "STATE", "HOST", "IN FLIGHT", "WAITING", "IDLE", "HELD"], rows)
+    print_table(["DEPLOYMENT", "STATE", "HOST", "CORES", "IN FLIGHT", "WAITING", "IDLE", "HELD"], rows)
     if reasons:
         print("\nunknown figures:")
         for line in reasons:

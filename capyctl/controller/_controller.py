@@ -115,6 +115,7 @@ class Controller:
             if unit is not None and unit.active_state in ("active", "activating", "reloading") and runtime \
                     and runtime.launch_id and unit.markers.get("launch") == runtime.launch_id \
                     and actor.spec.nodes == 1:
+                self.memory.adopting(name, unit.markers.get("cpus"))
                 adopting.append(actor.submit(Command.ADOPT, unit_state=unit, runtime=runtime))
             else:
                 # A failed unit is news only where it was serving or parked in place: a stop, or a
@@ -223,9 +224,13 @@ class Controller:
         return [f"/dev/nvidia{minors.get(i) if minors.get(i) is not None else i}" for i in indices] + \
             ["/dev/nvidiactl", "/dev/nvidia-uvm"]
 
-    def cpu_threads(self, spec: DeploymentSpec, host: str = LOCAL) -> int | None:
+    def cpu_threads(self, spec: DeploymentSpec, host: str = LOCAL, cores: tuple = ()) -> int | None:
+        """The engine's threads: one per core the plan gave it; where its cores are not planned
+        (a GPU deployment, a host whose cores are unknown), its manifest's cpus, else one per CPU."""
+        if cores:
+            return len(cores)
         if spec.resources.cpus:
-            return max(1, int(spec.resources.cpus))
+            return spec.resources.cpus
         if host != LOCAL:
             return (self.hosts.get(host).info or {}).get("cpu_count") or None
         return os.cpu_count()
@@ -448,7 +453,8 @@ class Controller:
         # The reserve follows the configuration (ram_reserve, or ram_budget's complement), read
         # at each inventory so that a reload applies to every host.
         self.memory.set_host(name, dataclasses.replace(
-            resources, ram_reserve=self.config.ram_reserve_for(resources.ram_total)))
+            resources, ram_reserve=self.config.ram_reserve_for(resources.ram_total),
+            core_reserve=self.config.cpu_reserve_for(len(resources.cores))))
 
     def reconfigured(self) -> None:
         """A reload changed the configuration in place: apply what is not read at each use
@@ -489,6 +495,15 @@ class Controller:
         if held:
             log.warning("deployment %s: its park left %s held; that stays charged", actor.name, held)
         return held
+
+    def check_cores(self, spec: DeploymentSpec, source: str = "request body: spec") -> None:
+        """Refuse a manifest whose resources.cpus no host it may run on has (a manifest error
+        naming the field, which the CLI places on its line in the file)."""
+        from ..spec import ManifestError, Problem
+        hosts = spec.hosts[:spec.nodes] if spec.nodes > 1 else (spec.hosts or list(self.hosts.entries))
+        problem = self.memory.cores_problem(spec, hosts)
+        if problem is not None:
+            raise ManifestError(source, [Problem("resources.cpus", None, problem)])
 
     def check_park_tier(self, spec: DeploymentSpec) -> None:
         """Refuse a declared park_tier the engine or any of the deployment's hosts cannot deliver."""
@@ -592,6 +607,9 @@ class Controller:
     def launch_memory(self, actor: DeploymentActor, rank: int | None = None) -> tuple[float | None, int | None]:
         return self.memory.launch_memory(actor, rank)
 
+    def cores_for(self, actor: DeploymentActor, rank: int | None = None) -> tuple[tuple[int, ...], ...]:
+        return self.memory.cores_for(actor, rank)
+
     def total_waiting(self) -> int:
         return sum(a.waiting for a in self.actors.values())
 
@@ -621,6 +639,7 @@ class Controller:
         self.engine_for(spec)  # refuse an unknown engine before anything is recorded
         self.adapter(spec).check_task(spec)  # and a task its engine cannot be started for
         self.check_park_tier(spec)  # and a park tier its engine or host cannot deliver
+        self.check_cores(spec)  # and more cores than its hosts have
         revision, new = self.store.put_deployment(spec)
         actor = self.actors.get(spec.name)
         if actor is None:
@@ -696,8 +715,10 @@ class Controller:
             "seconds": round(time.monotonic() - since, 3), "ahead": self.turns.ahead_of(name)}
         info["memory_current"] = info["memory_peak"] = None
         if actor.state in RUNNING or actor.parked_in_place:
-            systemd = self.hosts.systemd(actor.host)
             try:
+                # Inside the try: a host that is offline has no systemd to ask (host_offline), and
+                # its deployment's status must still answer, with its host_state saying why.
+                systemd = self.hosts.systemd(actor.host)
                 info["memory_current"] = await systemd.memory_current(actor.unit)
                 # Read from the cgroup filesystem, which is this machine's: a remote unit's is not here.
                 info["memory_peak"] = None if actor.remote else await systemd.memory_peak(actor.unit)

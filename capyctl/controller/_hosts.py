@@ -123,7 +123,9 @@ class HostEntry:
     def resources(self, ram_reserve: int) -> HostResources:
         info = self.info or {}
         gpus = tuple(GpuCard(int(g["index"]), str(g["name"]), int(g["memory_total"])) for g in info.get("gpus") or [])
-        return HostResources(self.name, int(info.get("ram_total") or 0), ram_reserve, gpus)
+        # A host-info without "cores" (capyctl missing there, or older) leaves its cores unplanned.
+        cores = tuple(tuple(int(cpu) for cpu in core) for core in info.get("cores") or [])
+        return HostResources(self.name, int(info.get("ram_total") or 0), ram_reserve, gpus, cores)
 
 
 def parse_target(target: str) -> tuple[str | None, str]:

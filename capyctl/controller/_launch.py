@@ -19,7 +19,7 @@ from ..errors import CapyError
 from ._confine import engine_location
 from ._keys import new_engine_key
 from ._lifecycle import DeploymentState
-from ._memory import gpu_order_environment
+from ._memory import cpu_fields, gpu_order_environment
 from ._services import DeploymentServices, PlacedDeployment
 from ._timeline import CREDENTIALS, PREPARE, Timeline
 
@@ -135,11 +135,13 @@ async def prepare_unit(ctl: DeploymentServices, deployment: PlacedDeployment, *,
     gpu_indices = list(ctl.gpus_for(deployment))
     # The planned share of each card, so two models planned on one card both fit (_memory.py).
     gpu_fraction, gpu_budget = ctl.launch_memory(deployment)
+    # The cores the plan gave it: its unit is pinned to them and its threads follow them.
+    cores = ctl.cores_for(deployment)
     # Engines that can serve on a unix socket do, in the unit's own 0700 runtime directory:
     # nobody but root (CapyCTL) reaches its routes, development controls included.
     socket_path = engine_socket_path(name) if adapter.unix_socket else None
     ctx = LaunchContext(deployment=spec, engine=engine, model_path=resolved.path, port=port,
-                        gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(spec, host),
+                        gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(spec, host, cores), cores=cores,
                         socket_path=socket_path, gpu_memory_fraction=gpu_fraction,
                         gpu_memory_budget=gpu_budget, secret_dir=engine_credentials_dir(deployment.unit),
                         dev_controls=ctl.dev_controls(host), unified_memory=ctl.unified_memory(host),
@@ -161,6 +163,7 @@ async def prepare_unit(ctl: DeploymentServices, deployment: PlacedDeployment, *,
         sealing, ctl.engine_confinement(host, name, engine_location(engine), resolved.path, devices))
     timeline.lap(CREDENTIALS)
     environment = {**confined.environment, **plan.environment, **gpu_order_environment(gpu_indices), **spec.env}
+    cpu = cpu_fields(spec, cores)
     unit = TransientUnit(
         name=deployment.unit, description=unit_description(name, revision, engine.type, phase), gated=gated,
         argv=plan.argv, environment=environment,
@@ -168,12 +171,14 @@ async def prepare_unit(ctl: DeploymentServices, deployment: PlacedDeployment, *,
         credential_environment=plan.credential_environment(), **confined.unit_fields(),
         working_directory="/",  # engines need no cwd; state_dir may sit under a PrivateTmp path
         memory_max=spec.resources.ram, memory_high=None,
-        cpu_quota=spec.resources.cpus, tasks_max=spec.resources.tasks_max,
+        **cpu, tasks_max=spec.resources.tasks_max,
         devices=devices,
         runtime_directory=engine_socket_runtime_directory(name) if plan.socket_path else None,
         private_network=plan.socket_path is not None,
         markers={"deployment": name, "revision": str(revision), "launch": launch_id,
                  "port": str(port), **({"socket": plan.socket_path} if plan.socket_path else {}),
+                 # The CPUs it is pinned to: a daemon that adopts the unit keeps them in its ledger.
+                 **({"cpus": cpu["allowed_cpus"]} if cpu["allowed_cpus"] else {}),
                  **({"gate": "armed"} if gated else {})})
     return PreparedUnit(
         unit=unit, launch_id=launch_id, port=port, key=key, model_path=resolved.path,

@@ -21,7 +21,7 @@ from ._keys import new_engine_key
 from ._group import GroupFailed, GroupMember, MemberLaunch, ModelGroup
 from ._hosts import LOCAL, parse_target
 from ._lifecycle import DeploymentState
-from ._memory import gpu_order_environment
+from ._memory import cpu_fields, gpu_order_environment
 
 from ._services import GroupOwner
 
@@ -79,8 +79,10 @@ class UnitMembers:
         # its share of each; the engine reads tensor_parallel as the total across the nodes.
         gpu_indices = list(ctl.gpus_for(actor, launch.rank))
         gpu_fraction, gpu_budget = ctl.launch_memory(actor, launch.rank)
+        cores = ctl.cores_for(actor, launch.rank)
         ctx = LaunchContext(deployment=actor.spec, engine=engine, model_path=resolved.path, port=port,
-                            gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(actor.spec, host),
+                            gpu_indices=gpu_indices, cpu_threads=ctl.cpu_threads(actor.spec, host, cores),
+                            cores=cores,
                             gpu_memory_fraction=gpu_fraction, gpu_memory_budget=gpu_budget,
                             nnodes=launch.nnodes, secret_dir=engine_credentials_dir(actor.unit),
                             dev_controls=ctl.dev_controls(host))
@@ -107,7 +109,7 @@ class UnitMembers:
                          **actor.spec.env},
             credentials=credentials, encrypted_credentials=encrypted,
             credential_environment=plan.credential_environment(), **confined.unit_fields(), working_directory="/",
-            memory_max=actor.spec.resources.ram, cpu_quota=actor.spec.resources.cpus,
+            memory_max=actor.spec.resources.ram, **cpu_fields(actor.spec, cores),
             tasks_max=actor.spec.resources.tasks_max, devices=devices,
             markers={"deployment": actor.name, "revision": str(actor.revision.revision),
                      "launch": actor.launch_id or "", "port": str(port), "rank": str(launch.rank)})

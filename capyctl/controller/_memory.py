@@ -10,6 +10,11 @@ cgroup memory for RAM). GPU memory a stopped deployment held stays charged (pend
 until NVML shows no process of it on the card (``refresh_gpus``): drivers free memory some time
 after a process exits, and a start on memory that is not free yet fails.
 
+Cores are planned as memory is (scheduler: the ``cpu:<host>`` domain): a deployment's manifest
+``resources.cpus``, else, for a CPU deployment, its engine's default from the model
+(``default_cores``), at most the most cores a host offers; the ledger says which cores it holds
+(``cores_for``), its unit is pinned to them and its engine's threads follow them.
+
 A multi-node group is budgeted per member: ``<name>#rank<r>`` is placed on the member's host
 with the per-node footprint (tensor_parallel / nodes cards), and its cards are what that
 member's unit is given.
@@ -26,10 +31,10 @@ import re
 from dataclasses import asdict, replace
 from typing import Any, Iterable
 
-from ..config import DaemonConfig
+from ..config import ENGINE_CPU_WEIGHT, DaemonConfig
 from ..engines._base import flag_value
 from ..errors import CapyError
-from ..scheduler import (Candidate, Footprint, GpuCard, HostResources, Ledger, Plan, Request, gpu_domain,
+from ..scheduler import (Candidate, Core, Footprint, GpuCard, HostResources, Ledger, Plan, Request, gpu_domain,
                          ram_domain)
 from ..scheduler import plan as plan_placement
 from ..scheduler import plan_when_idle
@@ -152,9 +157,10 @@ def estimate_gpu_memory(actor: PlacedDeployment) -> int | None:
     return None
 
 
-def footprint(actor: PlacedDeployment, largest_card: int | None = None) -> Footprint:
+def footprint(actor: PlacedDeployment, largest_card: int | None = None, most_cores: int | None = None) -> Footprint:
     """What the deployment needs on each host it runs on: its manifest's budgets, else estimates.
-    A GPU estimate at least as large as ``largest_card`` asks for whole cards."""
+    A GPU estimate at least as large as ``largest_card`` asks for whole cards; an engine's default
+    cores are at most ``most_cores`` (the manifest's are checked against the host at deploy time)."""
     spec = actor.spec
     size = _model_size(actor)
     adapter = actor.controller.adapter(spec)
@@ -173,7 +179,11 @@ def footprint(actor: PlacedDeployment, largest_card: int | None = None) -> Footp
         gpu_memory = estimate_gpu_memory(actor)
         if gpu_memory is not None and largest_card is not None and gpu_memory >= largest_card:
             gpu_memory = None
-    return Footprint(gpus=gpus, gpu_memory=gpu_memory, ram=ram, parked_ram=parked_ram)
+    cores = spec.resources.cpus
+    if cores is None:
+        cores = (adapter.default_cores(spec, size) or 0) if not gpus else 0
+        cores = min(cores, most_cores) if most_cores else cores
+    return Footprint(gpus=gpus, gpu_memory=gpu_memory, ram=ram, parked_ram=parked_ram, cores=cores)
 
 
 def gpu_memory_fraction(budget: int, card_total: int) -> float:
@@ -193,6 +203,17 @@ def gpu_order_environment(gpu_indices: Iterable[int]) -> dict[str, str]:
     return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"} if list(gpu_indices) else {}
 
 
+def cpu_fields(spec: Any, cores: tuple[Core, ...]) -> dict[str, Any]:
+    """A unit's CPU settings (systemd.TransientUnit): pinned to every CPU of its planned cores
+    (AllowedCPUs=, CPUAffinity=), or, where its cores are not planned, its manifest's cpus as a
+    CPUQuota=; below the daemon's CPU weight either way."""
+    from ..hosts import format_cpu_list
+    if cores:
+        return {"allowed_cpus": format_cpu_list(cpu for core in cores for cpu in core), "cpu_quota": None,
+                "cpu_weight": ENGINE_CPU_WEIGHT}
+    return {"allowed_cpus": None, "cpu_quota": spec.resources.cpus, "cpu_weight": ENGINE_CPU_WEIGHT}
+
+
 def member_name(deployment: str, rank: int) -> str:
     """The ledger's name for one member of a multi-node group."""
     return f"{deployment}#rank{rank}"
@@ -204,46 +225,71 @@ def _local_gpus() -> tuple[GpuCard, ...]:
     return host_inventory().resources().gpus
 
 
+def _local_cores() -> tuple[Core, ...]:
+    """The cores this daemon may run on (and so place engines on): its affinity, by core."""
+    from ..hosts import cores_of
+    return tuple(cores_of(os.sched_getaffinity(0)))
+
+
 def _stopped(actor: PlacedDeployment) -> bool:
     return actor.state in (DeploymentState.STOPPED, DeploymentState.FAILED) \
         or (actor.state == DeploymentState.PARKED and not actor.parked_in_place)
 
 
 class MemoryPlanner:
-    def __init__(self, config: DaemonConfig, local_gpus: "tuple[GpuCard, ...] | None" = None) -> None:
+    def __init__(self, config: DaemonConfig, local_gpus: "tuple[GpuCard, ...] | None" = None,
+                 local_cores: "tuple[Core, ...] | None" = None) -> None:
         gpus = _local_gpus() if local_gpus is None else tuple(local_gpus)
-        self.ledger = Ledger([self._local_resources(config, gpus)])
+        self._local_cores = _local_cores() if local_cores is None else tuple(local_cores)
+        self._core_reserve: dict[str, int] = {}  # host -> cores kept out of the plan there
+        self.ledger = Ledger()
+        self._add_host(self._local_resources(config, gpus, self._local_cores))
         self._last_plan: tuple[str, list[tuple[Plan, Request]]] | None = None
         self._config = config
+        self._adopted_cpus: dict[str, frozenset[int]] = {}  # deployment -> CPUs its adopted unit runs on
 
     @property
     def idle_park_default(self) -> float | None:
         return self._config.idle_park_after
 
     @staticmethod
-    def _local_resources(config: DaemonConfig, gpus: "tuple[GpuCard, ...]") -> HostResources:
+    def _local_resources(config: DaemonConfig, gpus: "tuple[GpuCard, ...]",
+                         cores: "tuple[Core, ...]") -> HostResources:
         # A budget (CAPYCTL_RAM_BUDGET, which wins, or the config file's ram_budget) is the RAM
         # CapyCTL may use whatever the host has; otherwise the host's RAM less the reserve.
         budget = os.environ.get("CAPYCTL_RAM_BUDGET")
         if budget:
-            return HostResources(name=LOCAL, ram_total=parse_size(budget), ram_reserve=0, gpus=gpus)
-        if config.host_ram_budget is not None:
-            return HostResources(name=LOCAL, ram_total=config.host_ram_budget, ram_reserve=0, gpus=gpus)
-        return HostResources(name=LOCAL, ram_total=_ram_total(), ram_reserve=config.host_ram_reserve, gpus=gpus)
+            ram_total, ram_reserve = parse_size(budget), 0
+        elif config.host_ram_budget is not None:
+            ram_total, ram_reserve = config.host_ram_budget, 0
+        else:
+            ram_total, ram_reserve = _ram_total(), config.host_ram_reserve
+        return HostResources(name=LOCAL, ram_total=ram_total, ram_reserve=ram_reserve, gpus=gpus, cores=cores,
+                             core_reserve=config.cpu_reserve_for(len(cores)))
 
     def rebudget_local(self, config: DaemonConfig) -> None:
-        """Apply a reloaded RAM reserve or budget to this host; charges stay where they are."""
+        """Apply a reloaded RAM or core reserve or RAM budget to this host; charges stay where they are."""
         gpus = tuple(GpuCard(d.index, d.model, d.capacity) for d in self.ledger.domains.values()
                      if d.kind == "gpu" and d.host == LOCAL)
-        self.ledger.add_host(self._local_resources(config, gpus))
+        self._add_host(self._local_resources(config, gpus, self._local_cores))
 
     def set_host(self, name: str, resources: HostResources) -> None:
         """Budget a (remote) host from its inventory; ``resources.name`` is ignored for ``name``."""
-        self.ledger.add_host(HostResources(name, resources.ram_total, resources.ram_reserve, resources.gpus))
+        self._add_host(replace(resources, name=name))
+
+    def _add_host(self, resources: HostResources) -> None:
+        self.ledger.add_host(resources)
+        self._core_reserve[resources.name] = min(resources.core_reserve, len(resources.cores))
 
     def footprint(self, actor: PlacedDeployment) -> Footprint:
         cards = [d.capacity for d in self.ledger.domains.values() if d.kind == "gpu"]
-        return footprint(actor, max(cards) if cards else None)
+        cores = [d.capacity for d in self.ledger.domains.values() if d.kind == "cpu"]
+        return footprint(actor, max(cards) if cards else None, max(cores) if cores else None)
+
+    def host_cores(self, host: str) -> int | None:
+        """How many cores engines may be given on ``host``; None where its cores are unknown."""
+        return len(self.ledger.host_cores(host)) if host in self.ledger.hosts and self.ledger.host_cores(host) \
+            else None
 
     # -- placement ------------------------------------------------------------------------------
 
@@ -306,6 +352,35 @@ class MemoryPlanner:
         placed = self.ledger.get(actor.name if rank is None else member_name(actor.name, rank))
         return placed.gpus if placed is not None else ()
 
+    def cores_problem(self, spec: Any, hosts: Iterable[str]) -> str | None:
+        """Why the manifest's ``resources.cpus`` can never be given on ``hosts`` (the hosts it may
+        run on; for a group, each member's host), else None. Hosts whose cores are unknown are not
+        held against it."""
+        wanted = spec.resources.cpus
+        if wanted is None:
+            return None
+        known = {h: n for h in hosts if (n := self.host_cores(h)) is not None}
+        short = {h: n for h, n in known.items() if n < wanted}
+        if not short or (spec.nodes == 1 and len(short) < len(known)):
+            return None
+        where = ", ".join(f"host {h!r} has {n}" + (f" ({self._core_reserve[h]} more kept by cpu_reserve)"
+                                                    if self._core_reserve.get(h) else "")
+                          for h, n in short.items())
+        return f"asks for {wanted} cores, more than CapyCTL may give one engine: {where}"
+
+    def adopting(self, name: str, cpus: str | None) -> None:
+        """A unit a previous daemon started is being adopted, pinned to ``cpus`` (its "cpus"
+        marker): when the ledger first places it, it keeps the cores made of those CPUs."""
+        from ..hosts import parse_cpu_list
+        try:
+            self._adopted_cpus[name] = frozenset(parse_cpu_list(cpus)) if cpus else frozenset()
+        except ValueError:
+            self._adopted_cpus.pop(name, None)
+
+    def cores_for(self, actor: PlacedDeployment, rank: int | None = None) -> tuple[Core, ...]:
+        """The cores the ledger gave ``actor`` (or its member ``rank``); empty where none are planned."""
+        return self.ledger.cores_of(actor.name if rank is None else member_name(actor.name, rank))
+
     def launch_memory(self, actor: PlacedDeployment, rank: int | None = None) -> tuple[float | None, int | None]:
         """(share of each planned card's total memory, bytes on each) to launch with, from the plan.
         A deployment planned on whole cards gets (None: the engine's default, the card's size)."""
@@ -343,7 +418,9 @@ class MemoryPlanner:
             fp = self.footprint(actor)
             if fp.gpus:
                 return  # which cards an adopted GPU unit holds is unknown here: not budgeted until restarted
-            self.ledger.place(name, fp, host, (), state, in_place=in_place)
+            cpus = self._adopted_cpus.pop(name, frozenset())
+            cores = tuple(core for core in self.ledger.host_cores(host) if set(core) <= cpus)
+            self.ledger.place(name, fp, host, (), state, in_place=in_place, cores=cores)
             return
         if placed.state != state or (state == "parked" and placed.in_place != actor.parked_in_place):
             self.ledger.set_state(name, state, in_place=in_place)

@@ -262,7 +262,8 @@ class EngineUnit:
         threads and the host's settings."""
         owner, ctl = self._owner, self._owner.controller
         return (owner.host, owner.revision.revision, ctl.engine_for(owner.spec), ctl.gpus_for(owner),
-                ctl.launch_memory(owner), ctl.cpu_threads(owner.spec, owner.host), ctl.dev_controls(owner.host),
+                ctl.launch_memory(owner), ctl.cores_for(owner), ctl.cpu_threads(owner.spec, owner.host),
+                ctl.dev_controls(owner.host),
                 ctl.unified_memory(owner.host))
 
     async def preseal(self) -> None:

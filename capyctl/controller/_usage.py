@@ -10,6 +10,10 @@ A figure that could not be measured is null and its reason is in the row's ``unk
 or an agent would conclude a card is empty. Measurements are taken at most every
 ``MEASURE_EVERY_S`` seconds, so two readers a moment apart (``capyctl usage`` and the MCP usage
 tool) see the same figures; ``measured_at`` says when they were taken.
+
+Cores (a ``cpu:<host>`` domain, counted in cores) are not measured: the ledger assigns them, so
+what it says a deployment holds is what its unit is pinned to, and each deployment row lists
+its cores (``cores``: per host, the CPU ids and how many cores).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from typing import Any
 
 from ..errors import CapyError
+from ..hosts import format_cpu_list
 from ._lifecycle import RUNNING
 from ._hosts import LOCAL
 from ._memory import member_name
@@ -146,7 +151,9 @@ def _host_row(ctl: Any, ledger: Any, host: str, snapshot: _Snapshot) -> dict:
             "unreserved": ledger.free(dom.id),
             "unknown": {},
         }
-        if dom.kind == "ram":
+        if dom.kind == "cpu":
+            d["available"] = dom.capacity - sum(ledger.holders(dom.id).values())  # assigned, not sampled
+        elif dom.kind == "ram":
             if info is None:
                 d["unknown"]["available"] = snapshot.inventory_unknown[host]
             else:
@@ -172,7 +179,7 @@ def _deployment_row(ctl: Any, ledger: Any, actor: Any, snapshot: _Snapshot) -> d
     row: dict[str, Any] = {
         "name": name, "state": actor.state, "host": actor.host, "in_flight": actor.in_flight,
         "waiting": actor.waiting, "last_request_at": actor.last_used or None, "idle_seconds": idle,
-        "domains": [], "unknown": unknown,
+        "domains": [], "unknown": unknown, "cores": [],
     }
     ledger_names = {name} | {member_name(name, r) for r in range(actor.spec.nodes)} if actor.spec.nodes > 1 \
         else {name}
@@ -183,6 +190,11 @@ def _deployment_row(ctl: Any, ledger: Any, actor: Any, snapshot: _Snapshot) -> d
             domains[dom_id] = {"id": dom_id, "reserved": 0, "pending_release": 0, "held": None, "unknown": {}}
         return domains[dom_id]
 
+    for held_as in sorted(ledger_names):
+        placed = ledger.get(held_as)
+        if placed is not None and placed.cores and placed.process_lives:
+            row["cores"].append({"host": placed.host, "count": len(placed.cores),
+                                 "cpus": format_cpu_list(placed.cpus)})
     for dom_id in ledger.domains:
         for held_as in ledger_names:
             reserved = ledger.holders(dom_id).get(held_as, 0)
@@ -214,7 +226,9 @@ def _deployment_row(ctl: Any, ledger: Any, actor: Any, snapshot: _Snapshot) -> d
         domain(ram_id)["held"] = snapshot.unit_memory[name]
     elif name in snapshot.unit_memory_unknown:
         domain(ram_id)["unknown"]["held"] = snapshot.unit_memory_unknown[name]
-    for d in domains.values():
+    for dom_id, d in domains.items():
+        if dom_id.startswith("cpu:"):
+            d["held"] = d["reserved"]  # the cores its unit is pinned to
         if d["held"] is None and "held" not in d["unknown"]:
             d["unknown"]["held"] = "not measured"
     row["domains"] = [domains[k] for k in sorted(domains)]

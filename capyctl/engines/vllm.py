@@ -26,6 +26,13 @@ same Python sources):
   ``total_memory * gpu_memory_utilization`` and refuses to start when less is free.
 - ``--tensor-parallel-size`` is the total across nodes; ``--nnodes`` must divide the world size
   and each node runs world_size / nnodes ranks (engine/arg_utils.py create_engine_config).
+- On the CPU platform, ``VLLM_CPU_OMP_THREADS_BIND`` (envs.py, default "auto") is the CPU ids each
+  local rank's OpenMP threads are bound to, ranks separated by "|" ("0-31|32-63"); vLLM starts
+  one OMP thread per id (OMP_NUM_THREADS = len(list), utils/ompmultiprocessing.py
+  ``configure_omp_envs``). "auto" takes the CPUs the process may run on, one logical CPU per
+  physical core on x86 (its last), and keeps the last ``local_world_size`` cores for the
+  scheduler process (``reserve_cpu_num``, ``_get_autobind_cpu_ids``); an explicit list reserves
+  nothing. ``cpu_thread_bind`` builds the list from the planned cores the way "auto" would.
 - The API key (``--api-key``, else ``VLLM_API_KEY``, serve/middleware/register.py) guards only
   paths under /v1, /v2, /inference and /cohere (serve/middleware/authenticate.py GUARDED_PREFIX):
   /health and every development route answer anyone who reaches the socket, hence the unix
@@ -45,11 +52,12 @@ import aiohttp
 from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec, EngineSpec
 from ._parsers import ParserChoice, choose_parsers, parser_flags
-from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call, cuda_environment, flag_value,
-                    has_flag,
-                    in_place_allowed, registered_capabilities, require_gpus_for_tp, require_path, user_environment)
+from ._base import (EngineAdapter, LaunchContext, LaunchPlan, ParkMethod, call, cores_for_weights, cuda_environment,
+                    flag_value, has_flag, in_place_allowed, registered_capabilities, require_gpus_for_tp,
+                    require_path, user_environment)
 
 KEY_ENV_NAME = "VLLM_API_KEY"
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # entrypoints/serve/dev/sleep/api_router.py: PauseMode (v1/engine/__init__.py) is abort | wait | keep,
 # default abort, which drops running requests. The controller drains first; "wait" lets anything
@@ -181,6 +189,10 @@ class VllmAdapter(EngineAdapter):
         except ValueError:
             return 0  # vLLM refuses the value itself
 
+    def default_cores(self, deployment: DeploymentSpec, model_bytes: int) -> int | None:
+        # Its OpenMP threads' cores, plus the one vLLM's own binding keeps for its scheduler.
+        return cores_for_weights(model_bytes) + 1
+
     def parked_host_bytes(self, deployment: DeploymentSpec, model_bytes: int) -> int:
         # Level 1 (host_backed) offloads the weights to host RAM; level 2 (deep) discards them
         # (device_allocator/sleep_mode_backend.py suspend, vLLM 0.32.0).
@@ -230,6 +242,9 @@ class VllmAdapter(EngineAdapter):
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if tp > 1 and not has_flag(user, "--tensor-parallel-size", "-tp"):
             argv += ["--tensor-parallel-size", str(tp)]
+        ranks = max(1, tp // max(1, ctx.nnodes))
+        if ctx.cores and not ctx.gpu_indices and len(ctx.cores) >= ranks:
+            env[CPU_BIND_ENV] = cpu_thread_bind(ctx.cores, ranks)
         if ctx.gpu_memory_fraction is not None and not has_flag(user, "--gpu-memory-utilization"):
             # The plan's share of the card's total, as vLLM reads it; rounded down (never more than
             # planned) and kept above 0, which vLLM refuses (config/cache.py: gt=0, le=1).
@@ -308,3 +323,20 @@ def _require_awake(body: Any) -> None:
 
 def _short(body: Any) -> str:
     return repr(body)[:200]
+
+
+def cpu_thread_bind(cores: tuple[tuple[int, ...], ...], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for a CPU launch on ``cores`` with ``ranks`` local ranks: as
+    vLLM's "auto" binds (see the module's docstring), one logical CPU of each core (its last),
+    the last ``ranks`` cores kept for the scheduler process when there are cores to spare, the
+    rest split among the ranks in order, "|" between ranks."""
+    threads = [core[-1] for core in sorted(cores)]
+    if len(threads) > ranks:
+        threads = threads[:len(threads) - ranks] if len(threads) - ranks >= ranks else threads
+    size, extra = divmod(len(threads), ranks)
+    parts, start = [], 0
+    for rank in range(ranks):
+        end = start + size + (1 if rank < extra else 0)
+        parts.append(",".join(str(cpu) for cpu in threads[start:end]))
+        start = end
+    return "|".join(parts)

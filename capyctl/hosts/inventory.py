@@ -1,5 +1,9 @@
 """What a host has: its GPUs through NVML (``import pynvml``, from nvidia-ml-py), its RAM and CPUs.
 
+Its CPUs are the ones this process may run on (its affinity, which a cpuset or CPUAffinity= of
+the daemon's own unit narrows), grouped into cores by the kernel's topology (each CPU's
+``thread_siblings_list``): a core is one CPU id without SMT, its hardware threads with it.
+
 A host where NVML cannot start (no driver, no library, nvidia-ml-py missing) is a CPU host: its
 inventory has no GPUs and says why in ``nvml_error``. Each GPU process is mapped to the CapyCTL
 deployment whose unit holds it, through ``/proc/<pid>/cgroup``.
@@ -19,9 +23,10 @@ from typing import Any, Iterable
 
 from ..config import deployment_from_unit
 from ..errors import CapyError, InvalidRequest
-from ..scheduler import GpuCard, HostResources
+from ..scheduler import Core, GpuCard, HostResources
 
 DEFAULT_PROC = Path("/proc")
+DEFAULT_SYS_CPU = Path("/sys/devices/system/cpu")
 # Device nodes every CUDA process needs besides its cards' own /dev/nvidia<minor>.
 SHARED_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm")
 _UNIT_IN_CGROUP = re.compile(r"(?:^|/)(capyctl-[^/]+\.service)(?:/|$)")
@@ -83,7 +88,8 @@ def unified_memory_default(gpu_names: "list[str]") -> bool | None:
 
 @dataclass(frozen=True)
 class HostInventory:
-    """A host's GPUs, RAM (bytes, from /proc/meminfo) and CPUs (those this service may run on).
+    """A host's GPUs, RAM (bytes, from /proc/meminfo) and CPUs (those this service may run on,
+    ``cpu_count`` of them, grouped in ``cores``: each the CPU ids of one core's hardware threads).
     ``nvml_error`` says why a host has no GPU list (None when NVML answered)."""
 
     hostname: str
@@ -92,6 +98,7 @@ class HostInventory:
     ram_available: int = 0
     cpu_count: int = 0
     nvml_error: str | None = None
+    cores: list[list[int]] = field(default_factory=list)
 
     @property
     def is_cpu_host(self) -> bool:
@@ -104,10 +111,12 @@ class HostInventory:
         """The JSON ``capyctl host-info --json`` prints."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
-    def resources(self, ram_reserve: int = 0) -> HostResources:
-        """The scheduler's view of this host: its cards by model and memory, its RAM less ``ram_reserve``."""
+    def resources(self, ram_reserve: int = 0, core_reserve: int = 0) -> HostResources:
+        """The scheduler's view of this host: its cards by model and memory, its RAM less
+        ``ram_reserve``, its cores less the first ``core_reserve``."""
         return HostResources(self.hostname, self.ram_total, ram_reserve,
-                             tuple(GpuCard(g.index, g.name, g.memory_total) for g in self.gpus))
+                             tuple(GpuCard(g.index, g.name, g.memory_total) for g in self.gpus),
+                             tuple(tuple(core) for core in self.cores), core_reserve)
 
 
 def gpu_inventory(proc_root: str | Path = DEFAULT_PROC) -> list[GpuInfo]:
@@ -139,8 +148,49 @@ def host_inventory(proc_root: str | Path = DEFAULT_PROC) -> HostInventory:
     except NvmlUnavailable as exc:
         gpus, error = [], exc.message
     total, available = _meminfo(Path(proc_root) / "meminfo")
+    allowed = os.sched_getaffinity(0)
     return HostInventory(hostname=socket.gethostname(), gpus=gpus, ram_total=total, ram_available=available,
-                         cpu_count=len(os.sched_getaffinity(0)), nvml_error=error)
+                         cpu_count=len(allowed), nvml_error=error, cores=[list(c) for c in cores_of(allowed)])
+
+
+def cores_of(cpus: Iterable[int], sys_cpu: str | Path = DEFAULT_SYS_CPU) -> list[Core]:
+    """``cpus`` grouped into cores, in the order of each core's first CPU id: the CPUs a core's
+    ``topology/thread_siblings_list`` names, as far as they are among ``cpus``. A CPU whose
+    topology cannot be read is a core of its own."""
+    wanted = set(cpus)
+    cores: dict[Core, None] = {}
+    for cpu in sorted(wanted):
+        try:
+            text = (Path(sys_cpu) / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text()
+            siblings = set(parse_cpu_list(text)) & wanted
+        except (OSError, ValueError):
+            siblings = set()
+        cores[tuple(sorted(siblings | {cpu}))] = None
+    return list(cores)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """The kernel's CPU list format ("0-3,8,10-11") as sorted ids; ValueError when it is not one."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        lo, sep, hi = part.partition("-")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(f"{text!r} is not a CPU list")
+        cpus.update(range(first, last + 1))
+    return sorted(cpus)
+
+
+def format_cpu_list(cpus: Iterable[int]) -> str:
+    """Sorted CPU ids in the kernel's list format, runs folded: (0, 1, 2, 5) -> "0-2,5"."""
+    ids = sorted(set(cpus))
+    runs: list[list[int]] = []
+    for cpu in ids:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def device_nodes(indices: Iterable[int]) -> list[str]:

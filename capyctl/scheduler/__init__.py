@@ -1,6 +1,7 @@
 """The scheduler: a pure memory ledger, placement and eviction planning. No I/O, no asyncio, no clock.
 
-The controller owns one ``Ledger`` built from its hosts' ``HostResources`` and keeps it in step with
+The controller owns one ``Ledger`` built from its hosts' ``HostResources`` (memory, and the cores
+CPU engines are given one each) and keeps it in step with
 every deployment's state (``place`` / ``set_state`` / ``forget``), feeds it what the inventory sees
 (``observe_card``: NVML's free memory and per-deployment use of a GPU; ``observe_free``,
 ``confirm_released``) and what a running deployment was measured to use (``correct``), and before
@@ -12,12 +13,12 @@ to park or stop first. ``Ledger.apply(plan, request)`` records the plan once it 
 """
 
 from ._ledger import Ledger, Placement
-from ._model import (FULL_STATES, STATES, Candidate, Domain, Footprint, GpuCard, HostResources, NoRoom, Plan,
-                     Request, Victim, format_size, gpu_domain, ram_domain)
+from ._model import (FULL_STATES, STATES, Candidate, Core, Domain, Footprint, GpuCard, HostResources, NoRoom, Plan,
+                     Request, Victim, cpu_domain, format_amount, format_size, gpu_domain, ram_domain)
 from ._planner import idle_to_park, plan, plan_when_idle
 
 __all__ = [
-    "FULL_STATES", "STATES", "Candidate", "Domain", "Footprint", "GpuCard", "HostResources", "Ledger", "NoRoom",
-    "Placement", "Plan", "Request", "Victim", "format_size", "gpu_domain", "idle_to_park", "plan", "plan_when_idle",
-    "ram_domain",
+    "FULL_STATES", "STATES", "Candidate", "Core", "Domain", "Footprint", "GpuCard", "HostResources", "Ledger",
+    "NoRoom", "Placement", "Plan", "Request", "Victim", "cpu_domain", "format_amount", "format_size", "gpu_domain",
+    "idle_to_park", "plan", "plan_when_idle", "ram_domain",
 ]

@@ -9,22 +9,30 @@ Three kinds of charge make up a domain's use:
   process exits or sleeps, and placing on memory that is not yet free makes the next start fail;
 * external: use the latest observation showed and no deployment explains (another process,
   a deployment using more than it declared).
+
+A host's cores are a domain too (``cpu:<host>``), counted in whole cores, with no pending release
+(a core is free once the process that ran on it is gone, and ``stopping`` still holds it) and
+nothing external. Besides the count, the ledger chooses which cores a deployment gets
+(``Placement.cores``): two deployments that hold cores never hold the same one unless the domain
+is over-committed (an adopted unit, a host re-added with fewer cores).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Mapping
 
 from ..errors import InvalidRequest, NotFound
-from ._model import (FULL_STATES, STATES, Domain, Footprint, HostResources, Plan, Request, gpu_domain,
-                     ram_domain)
+from ._model import (FULL_STATES, STATES, Core, Domain, Footprint, HostResources, Plan, Request, cpu_domain,
+                     gpu_domain, ram_domain)
 
 
 @dataclass(frozen=True)
 class Placement:
     """Where the ledger has a deployment, with the footprint and state it charges by.
-    ``in_place`` tells, for state ``parked``, whether it parked in place (its weights in host RAM)."""
+    ``in_place`` tells, for state ``parked``, whether it parked in place (its weights in host RAM).
+    ``cores`` are the cores it was given (empty where its cores are not planned); they stay on
+    the placement while it holds none, as the ones it prefers the next time it starts."""
 
     deployment: str
     host: str
@@ -32,10 +40,21 @@ class Placement:
     footprint: Footprint
     state: str
     in_place: bool = False
+    cores: tuple[Core, ...] = ()
 
     @property
     def parked_in_place(self) -> bool:
         return self.state == "parked" and self.in_place
+
+    @property
+    def process_lives(self) -> bool:
+        """Whether its engine process exists (running, or parked in place): then it holds its cores."""
+        return self.state in FULL_STATES or self.parked_in_place
+
+    @property
+    def cpus(self) -> tuple[int, ...]:
+        """The CPU ids of its cores, sorted (what its unit's AllowedCPUs=/CPUAffinity= list)."""
+        return tuple(sorted(cpu for core in self.cores for cpu in core))
 
 
 class Ledger:
@@ -44,8 +63,8 @@ class Ledger:
     ===========================================  =====================================
     state                                        charged
     ===========================================  =====================================
-    starting, ready, waking, parking, stopping   footprint: gpu memory on each card + ram
-    parked in place (vLLM sleep level 1)         host RAM ``parked_ram`` only
+    starting, ready, waking, parking, stopping   footprint: gpu memory on each card + ram + cores
+    parked in place (vLLM sleep level 1)         host RAM ``parked_ram`` + cores
     parked by stop / level 2, stopped, failed    nothing
     ===========================================  =====================================
 
@@ -59,6 +78,7 @@ class Ledger:
     def __init__(self, hosts: Iterable[HostResources] = ()) -> None:
         self._domains: dict[str, Domain] = {}
         self._host_names: list[str] = []
+        self._cores: dict[str, tuple[Core, ...]] = {}  # host -> the cores engines may be given
         self._placements: dict[str, Placement] = {}
         self._active: dict[str, dict[str, int]] = {}  # domain -> deployment -> bytes
         self._pending: dict[str, dict[str, int]] = {}  # domain -> deployment -> bytes, oldest first
@@ -77,12 +97,20 @@ class Ledger:
             raise InvalidRequest(f"host {host.name!r} lists a GPU index twice: {indices}", code="invalid_host")
         if host.ram_reserve < 0 or host.ram_total < 0:
             raise InvalidRequest(f"host {host.name!r} has a negative RAM total or reserve", code="invalid_host")
+        cpus = [cpu for core in host.cores for cpu in core]
+        if host.core_reserve < 0 or len(set(cpus)) != len(cpus) or any(not core for core in host.cores):
+            raise InvalidRequest(f"host {host.name!r} lists a CPU twice, an empty core or a negative core reserve",
+                                 code="invalid_host")
         if host.name not in self._host_names:
             self._host_names.append(host.name)
         for domain_id in [d for d, dom in self._domains.items() if dom.host == host.name]:
             del self._domains[domain_id]
         ram = Domain(ram_domain(host.name), "ram", host.name, max(0, host.ram_total - host.ram_reserve))
         self._domains[ram.id] = ram
+        self._cores[host.name] = host.placeable_cores
+        if host.placeable_cores:
+            cores = Domain(cpu_domain(host.name), "cpu", host.name, len(host.placeable_cores))
+            self._domains[cores.id] = cores
         for card in sorted(host.gpus, key=lambda c: c.index):
             dom = Domain(gpu_domain(host.name, card.index), "gpu", host.name, card.memory_total,
                          card.index, card.model)
@@ -93,7 +121,7 @@ class Ledger:
 
     @property
     def domains(self) -> Mapping[str, Domain]:
-        """Every domain by id, hosts in the order they were added, GPUs by index, RAM first."""
+        """Every domain by id, hosts in the order they were added, RAM first, then cores, GPUs by index."""
         return self._domains
 
     @property
@@ -106,11 +134,13 @@ class Ledger:
     # -- deployments ------------------------------------------------------------------------
 
     def place(self, deployment: str, footprint: Footprint, host: str, gpus: Iterable[int],
-              state: str = "starting", *, in_place: bool | None = None) -> None:
+              state: str = "starting", *, in_place: bool | None = None, cores: Iterable[Core] = ()) -> None:
         """Record where ``deployment`` runs (a plan's host and cards) and its state.
 
         Moving it elsewhere leaves what it held on its old domains pending release.
         ``in_place`` matters for state ``parked`` only; None means "as its footprint allows".
+        ``cores``: the cores it should keep if they are free (a unit adopted on the cores it runs
+        on); otherwise it keeps the ones it had, else gets the first free ones.
         """
         cards = tuple(gpus)
         if ram_domain(host) not in self._domains:
@@ -122,8 +152,10 @@ class Ledger:
             if gpu_domain(host, index) not in self._domains:
                 raise NotFound(f"host {host!r} has no GPU {index}", code="unknown_gpu")
         self._check_state(state)
+        old = self._placements.get(deployment)
+        preferred = tuple(cores) or (old.cores if old is not None and old.host == host else ())
         self._commit(Placement(deployment, host, cards, footprint, state,
-                               self._resolve_in_place(footprint, state, in_place)))
+                               self._resolve_in_place(footprint, state, in_place), preferred))
 
     def set_state(self, deployment: str, state: str, *, in_place: bool | None = None) -> None:
         """Change a placed deployment's state (``in_place`` as in ``place``)."""
@@ -132,7 +164,7 @@ class Ledger:
             raise NotFound(f"deployment {deployment!r} has no placement in the ledger", code="not_placed")
         self._check_state(state)
         self._commit(Placement(deployment, current.host, current.gpus, current.footprint, state,
-                               self._resolve_in_place(current.footprint, state, in_place)))
+                               self._resolve_in_place(current.footprint, state, in_place), current.cores))
 
     def retain(self, deployment: str, held: Mapping[str, int]) -> None:
         """A deployment parked in place was measured after its park (NVML per process, its cgroup)
@@ -255,9 +287,9 @@ class Ledger:
         fp = current.footprint
         if gpu_memory is not None and not fp.gpus:
             raise InvalidRequest(f"deployment {deployment!r} has no GPU to correct", code="invalid_placement")
-        new_fp = Footprint(fp.gpus, fp.gpu_memory if gpu_memory is None else gpu_memory,
-                           fp.ram if ram is None else ram, fp.parked_ram)
-        new = Placement(current.deployment, current.host, current.gpus, new_fp, current.state, current.in_place)
+        new_fp = replace(fp, gpu_memory=fp.gpu_memory if gpu_memory is None else gpu_memory,
+                         ram=fp.ram if ram is None else ram)
+        new = replace(current, footprint=new_fp)
         old_charges, new_charges = self._charges(current), self._charges(new)
         self._placements[deployment] = new
         for dom in old_charges.keys() | new_charges.keys():
@@ -294,6 +326,15 @@ class Ledger:
         self._require(domain)
         return self._external.get(domain, 0)
 
+    def cores_of(self, deployment: str) -> tuple[Core, ...]:
+        """The cores the ledger gave ``deployment`` (held while its process lives, preferred after)."""
+        placed = self._placements.get(deployment)
+        return placed.cores if placed is not None else ()
+
+    def host_cores(self, host: str) -> tuple[Core, ...]:
+        """The cores engines may be given on ``host`` (its reserve left out); empty: not planned."""
+        return self._cores.get(host, ())
+
     def overcommitted(self) -> list[str]:
         """Domains whose charges exceed their capacity."""
         return [d for d in self._domains if self.free(d) < 0]
@@ -303,6 +344,7 @@ class Ledger:
         other = Ledger()
         other._domains = dict(self._domains)
         other._host_names = list(self._host_names)
+        other._cores = dict(self._cores)
         other._placements = dict(self._placements)
         other._active = {d: dict(v) for d, v in self._active.items()}
         other._pending = {d: dict(v) for d, v in self._pending.items()}
@@ -343,15 +385,43 @@ class Ledger:
                 if dom in self._domains:  # a host re-added without this card holds nothing there
                     charges[dom] = fp.gpu_need(self._domains[dom].capacity)
             charges[ram_domain(placement.host)] = fp.ram
+            charges.update(self._core_charge(placement))
             return {d: v for d, v in charges.items() if v > 0}
         if placement.parked_in_place:
             charges = {ram_domain(placement.host): fp.parked_ram} if fp.parked_ram else {}
             for dom, held in self._retained.get(placement.deployment, {}).items():
                 charges[dom] = max(charges.get(dom, 0), held)
+            charges.update(self._core_charge(placement))
             return charges
         return {}
 
+    def _core_charge(self, placement: Placement) -> dict[str, int]:
+        dom = cpu_domain(placement.host)
+        return {dom: placement.footprint.cores} if placement.footprint.cores and dom in self._domains else {}
+
+    def _give_cores(self, new: Placement) -> Placement:
+        """``new`` with the cores it holds: none while its process does not live or its cores are
+        not planned; the ones it prefers (``new.cores``) when all are free and still placeable;
+        else the first free ones in the host's order. Where too few are free (a placement the
+        planner did not make), taken cores fill the rest: the domain shows over-committed."""
+        want = new.footprint.cores
+        placeable = self._cores.get(new.host, ())
+        if not want or not placeable:
+            return replace(new, cores=()) if new.cores else new
+        if not new.process_lives:
+            return new  # it holds none; the ones it had stay its preference
+        taken = {core for other in self._placements.values()
+                 if other.deployment != new.deployment and other.host == new.host and other.process_lives
+                 for core in other.cores}
+        preferred = [core for core in new.cores if core in placeable and core not in taken]
+        if len(preferred) == want == len(new.cores):
+            return new
+        free = [core for core in placeable if core not in taken]
+        chosen = (free + [core for core in placeable if core in taken])[:want]
+        return replace(new, cores=tuple(sorted(chosen)))
+
     def _commit(self, new: Placement) -> None:
+        new = self._give_cores(new)
         old = self._placements.get(new.deployment)
         old_charges = self._charges(old) if old is not None else {}
         if not new.parked_in_place:
@@ -367,7 +437,7 @@ class Ledger:
             if dom not in self._domains:  # its host was replaced without this card
                 continue
             pending = self._pending[dom]
-            if after < before:
+            if after < before and self._domains[dom].kind != "cpu":
                 pending[deployment] = pending.get(deployment, 0) + before - after
             elif after > before and absorb and deployment in pending:
                 left = pending[deployment] - (after - before)

@@ -30,6 +30,15 @@ def ram_domain(host: str) -> str:
     return f"ram:{host}"
 
 
+def cpu_domain(host: str) -> str:
+    """The id of one host's cores: ``cpu:<host>`` (its capacity and charges count whole cores)."""
+    return f"cpu:{host}"
+
+
+# A core: the CPU ids of its hardware threads (one id without SMT), as the kernel lists them.
+Core = tuple[int, ...]
+
+
 def format_size(size: int) -> str:
     """Bytes as people read them in an error sentence (``7.5 GiB``, ``512 MiB``)."""
     negative = size < 0
@@ -54,21 +63,31 @@ class GpuCard:
 
 @dataclass(frozen=True)
 class HostResources:
-    """A host's memory: its GPUs and its RAM. ``ram_reserve`` is kept for the host itself,
-    so the RAM domain's capacity is ``ram_total - ram_reserve``."""
+    """A host's memory and cores: its GPUs, its RAM and the cores CapyCTL may place engines on.
+    ``ram_reserve`` is kept for the host itself, so the RAM domain's capacity is
+    ``ram_total - ram_reserve``; likewise the first ``core_reserve`` of ``cores`` are kept for the
+    daemon, its proxy and the host, and never given to an engine. A host whose ``cores`` are
+    unknown (empty) has no core domain: its deployments' cores are not planned there."""
 
     name: str
     ram_total: int
     ram_reserve: int = 0
     gpus: tuple[GpuCard, ...] = ()
+    cores: tuple[Core, ...] = ()
+    core_reserve: int = 0
+
+    @property
+    def placeable_cores(self) -> tuple[Core, ...]:
+        return self.cores[self.core_reserve:]
 
 
 @dataclass(frozen=True)
 class Domain:
-    """One pool of memory the ledger budgets: a GPU (``kind="gpu"``) or a host's RAM (``kind="ram"``)."""
+    """One pool the ledger budgets: a GPU's memory (``kind="gpu"``), a host's RAM (``kind="ram"``),
+    both in bytes, or a host's cores (``kind="cpu"``), counted in whole cores."""
 
     id: str
-    kind: Literal["gpu", "ram"]
+    kind: Literal["gpu", "ram", "cpu"]
     host: str
     capacity: int
     index: int | None = None  # GPU index on its host; None for RAM
@@ -88,17 +107,20 @@ class Footprint:
     use), and ``ram`` bytes of host RAM while it runs. ``parked_ram`` is the host RAM its weights
     need when parked in place (vLLM sleep level 1; 0 for sleep level 2 or SGLang's release, which
     keep the process but not the weights); None means it cannot park in place and parking it stops it.
+    ``cores`` whole cores of its own while its process lives (running, or parked in place); 0: its
+    cores are not planned and it runs on any core.
     """
 
     gpus: int = 0
     gpu_memory: int | None = None
     ram: int = 0
     parked_ram: int | None = None
+    cores: int = 0
 
     def __post_init__(self) -> None:
-        if self.gpus < 0 or self.ram < 0 or (self.gpu_memory is not None and self.gpu_memory < 0) \
+        if self.gpus < 0 or self.ram < 0 or self.cores < 0 or (self.gpu_memory is not None and self.gpu_memory < 0) \
                 or (self.parked_ram is not None and self.parked_ram < 0):
-            raise CapyError("a footprint cannot hold a negative amount of memory or GPUs",
+            raise CapyError("a footprint cannot hold a negative amount of memory, GPUs or cores",
                             code="invalid_footprint", status=400)
 
     @property
@@ -159,8 +181,15 @@ class Plan:
 
     @property
     def domains(self) -> tuple[str, ...]:
-        """The memory domains the deployment will be charged on."""
+        """The memory domains the deployment will be charged on (its cores' domain aside)."""
         return tuple(gpu_domain(self.host, i) for i in self.gpus) + (ram_domain(self.host),)
+
+
+def format_amount(domain: str, amount: int) -> str:
+    """An amount charged on ``domain`` as people read it: bytes, or cores on a ``cpu:`` domain."""
+    if domain.startswith("cpu:"):
+        return f"{amount} core" + ("" if amount == 1 else "s")
+    return format_size(amount)
 
 
 class NoRoom(CapyError):

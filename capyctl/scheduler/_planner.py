@@ -6,7 +6,7 @@ most recently used member was used longest ago, then the next, and so on); a vic
 when its parked footprint fits in the host's RAM, else it stops.
 
 Finding the fewest victims is a small multi-dimensional covering problem (one dimension per card
-the deployment needs, plus the host's RAM). It is solved exactly by a branch and bound that
+the deployment needs, plus the host's RAM, plus its cores when they are planned). It is solved exactly by a branch and bound that
 branches on the dimension with the fewest contributors and prunes with the sum of the largest
 contributions that are left; real inputs (a handful of cards, tens of resident deployments)
 are solved in microseconds to milliseconds, see benchmarks/planner.py.
@@ -22,8 +22,8 @@ from typing import Iterable, Sequence
 
 from ..errors import CapyError, Conflict, InvalidRequest
 from ._ledger import Ledger, Placement
-from ._model import (FULL_STATES, Candidate, NoRoom, Plan, Request, Victim, format_size, gpu_domain,
-                     ram_domain)
+from ._model import (FULL_STATES, Candidate, NoRoom, Plan, Request, Victim, cpu_domain, format_amount, format_size,
+                     gpu_domain, ram_domain)
 
 # States in which a deployment may be evicted: ready instances, and parked-in-place ones that
 # still hold host RAM (stopping those is the only way to get that RAM back).
@@ -210,6 +210,8 @@ def _needs(ledger: Ledger, request: Request, option: _Option) -> dict[str, int]:
         dom = gpu_domain(option.host, index)
         needs[dom] = fp.gpu_need(ledger.domains[dom].capacity)
     needs[ram_domain(option.host)] = fp.ram
+    if fp.cores and cpu_domain(option.host) in ledger.domains:
+        needs[cpu_domain(option.host)] = fp.cores
     return needs
 
 
@@ -390,6 +392,8 @@ def _no_room(request: Request, ledger: Ledger, options: list[_Option], activity:
         each = "a whole card" if fp.gpu_memory is None else f"{format_size(fp.gpu_memory)} free on each"
         need.append(f"{fp.gpus} identical GPUs with {each}" if fp.gpus > 1 else f"a GPU with {each.replace(' on each', '')}")
     need.append(f"{format_size(fp.ram)} of host RAM")
+    if fp.cores:
+        need.append(format_amount(cpu_domain(""), fp.cores))
     hosts = list(dict.fromkeys(o.host for o in options))
     allowed = ledger.hosts if request.hosts is None else tuple(request.hosts)
     if own_parked is not None:
@@ -398,7 +402,7 @@ def _no_room(request: Request, ledger: Ledger, options: list[_Option], activity:
         where = "on any host" if request.hosts is None else f"on host {' or '.join(allowed)}"
     sentence = f"No room for deployment {request.deployment!r}: it needs {' and '.join(need)} {where}."
     detail: dict = {"deployment": request.deployment,
-                    "needs": {"gpus": fp.gpus, "gpu_memory": fp.gpu_memory, "ram": fp.ram}, "hosts": {}}
+                    "needs": {"gpus": fp.gpus, "gpu_memory": fp.gpu_memory, "ram": fp.ram, "cores": fp.cores}, "hosts": {}}
     if not hosts:
         known = [h for h in allowed if ram_domain(h) in ledger.domains]
         if not known:
@@ -421,13 +425,13 @@ def _no_room(request: Request, ledger: Ledger, options: list[_Option], activity:
                 why = ("busy" if c is not None and c.busy else "never evicted" if c is not None and c.never_evict
                        else "in transition" if c is None or c.state not in ("ready", "parked") else None)
                 if why:
-                    held[why].setdefault(deployment, []).append(f"{format_size(amount)} on {dom}")
+                    held[why].setdefault(deployment, []).append(f"{format_amount(dom, amount)} on {dom}")
         blocked = {why: [f"{dep} ({', '.join(where)})" for dep, where in deps.items()]
                    for why, deps in held.items()}
         pending = [f"{dep} ({format_size(amount)} on {dom})" for dom in domains
                    for dep, amount in ledger.pending(dom).items()]
         external = [f"{format_size(ledger.external(dom))} on {dom}" for dom in domains if ledger.external(dom)]
-        text = f"On {host}, free: " + ", ".join(f"{d} {format_size(v)}" for d, v in free.items())
+        text = f"On {host}, free: " + ", ".join(f"{d} {format_amount(d, v)}" for d, v in free.items())
         for why, holders in blocked.items():
             if holders:
                 text += f"; held by {why} deployments: " + ", ".join(holders)

@@ -222,6 +222,20 @@ def load_manifest(path: str | Path) -> DeploymentSpec | EngineSpec:
     return parse_manifest(read_document(path), str(path))
 
 
+def problems_in_file(path: str | Path, problems: list[dict]) -> ManifestError:
+    """Problems the daemon found in a manifest the CLI sent it as JSON (``ManifestError.to_dict``'s
+    ``detail.problems``: ones only the daemon can see, such as more cores than its hosts have),
+    each placed on its field's line in the file the manifest was read from."""
+    path = Path(path)
+    root, _ = load_yaml(read_document(path), str(path), max_bytes=MAX_MANIFEST_BYTES)
+    placed = []
+    for problem in problems:
+        field = str(problem.get("field") or "")
+        loc = tuple(int(part) if part.isdigit() else part for part in field.split(".")) if field else ()
+        placed.append(Problem(field, _key_line(root, loc) if field else None, str(problem.get("message") or "")))
+    return ManifestError(str(path), placed)
+
+
 def load_deployment(path: str | Path) -> DeploymentSpec:
     spec = load_manifest(path)
     if not isinstance(spec, DeploymentSpec):

@@ -84,7 +84,10 @@ class Resources(_Strict):
     gpus: int = Field(default=0, ge=0, le=64, description="Number of identical GPUs the deployment needs (0: CPU only); on each node of a multi-node deployment.")
     gpu_memory: Size | None = Field(default=None, description="GPU memory needed on each of its GPUs (8GiB, 40G).")
     ram: Size | None = Field(default=None, description="Host RAM budget; becomes the unit's MemoryMax (2GiB, 512M).")
-    cpus: float | None = Field(default=None, gt=0, le=1024, description="CPU time in cores; becomes CPUQuota (1.5 = 150%).")
+    cpus: int | None = Field(default=None, ge=1, le=1024, description="Whole cores of its own, planned as memory is: "
+                             "its unit is pinned to them (AllowedCPUs=, CPUAffinity=) and its engine's threads follow "
+                             "them (llama.cpp -t/-tb, vLLM's VLLM_CPU_OMP_THREADS_BIND). Unset: a CPU deployment gets "
+                             "its engine's default from the model size. At most the cores of its host.")
     tasks_max: int = Field(default=4096, ge=16, description="Most processes and threads the unit may have (TasksMax).")
 
 

@@ -58,6 +58,9 @@ class TransientUnit:
     memory_high: int | None = None
     cpu_quota: float | None = None  # in cores: 1.5 = 150 % of one CPU
     allowed_cpus: str | None = None  # "0-3,6"
+    # CPUWeight= (1 to 10000, systemd's default 100): its share of a CPU it contends for. On the
+    # legacy hierarchy systemd writes it as the cpu controller's cpu.shares.
+    cpu_weight: int | None = None
     tasks_max: int | None = None
     devices: list[str] = field(default_factory=list)  # /dev/nvidiaN nodes
     markers: dict[str, str] = field(default_factory=dict)
@@ -131,6 +134,8 @@ class TransientUnit:
             raise SystemdError("cpu_quota must be a positive number of cores.", code="invalid_unit")
         if self.allowed_cpus is not None:
             parse_cpu_list(self.allowed_cpus)
+        if self.cpu_weight is not None and not 1 <= self.cpu_weight <= 10000:
+            raise SystemdError("cpu_weight must be from 1 to 10000.", code="invalid_unit")
         if self.runtime_directory is not None and (
                 self.runtime_directory.startswith("/") or ".." in self.runtime_directory.split("/")):
             raise SystemdError("The runtime directory must be a relative path below /run.", code="invalid_unit")
@@ -205,9 +210,14 @@ class TransientUnit:
             props.append(("CPUQuotaPerSecUSec", Variant("t", int(self.cpu_quota * 1_000_000))))
         if self.allowed_cpus is not None:
             mask = cpu_mask(parse_cpu_list(self.allowed_cpus))
-            # AllowedCPUs is the cgroup v2 cpuset; CPUAffinity also binds on cgroup v1.
+            # AllowedCPUs= is the unified hierarchy's cpuset, which the engine cannot widen; on the
+            # legacy hierarchy (cgroup v1) systemd ignores it, and CPUAffinity= (sched_setaffinity
+            # at exec, inherited by every thread) is what binds. Both are given: each host takes
+            # the one its hierarchy honours.
             props.append(("AllowedCPUs", Variant("ay", mask)))
             props.append(("CPUAffinity", Variant("ay", mask)))
+        if self.cpu_weight is not None:
+            props.append(("CPUWeight", Variant("t", self.cpu_weight)))
         if self.tasks_max is not None:
             props.append(("TasksMax", Variant("t", self.tasks_max)))
         if self.user:

@@ -52,7 +52,7 @@ def test_basic_properties() -> None:
 def test_unset_limits_are_not_sent() -> None:
     p = props(engine())
     for absent in ("MemoryMax", "MemoryHigh", "CPUQuotaPerSecUSec", "TasksMax", "EnvironmentFiles",
-                   "DevicePolicy", "DeviceAllow", "AllowedCPUs"):
+                   "DevicePolicy", "DeviceAllow", "AllowedCPUs", "CPUAffinity", "CPUWeight"):
         assert absent not in p
 
 
@@ -73,11 +73,12 @@ def test_hardening_can_be_turned_off_but_is_on_by_default() -> None:
 
 
 def test_signatures_match_systemd_bus_api() -> None:
-    sig = signatures(engine(memory_max=1, allowed_cpus="0-1", devices=["/dev/nvidia0"],
+    sig = signatures(engine(memory_max=1, allowed_cpus="0-1", cpu_weight=50, devices=["/dev/nvidia0"],
                             environment_file="/x.env", read_write_paths=["/var/lib/capyctl/cache"]))
     assert sig["ExecStart"] == "a(sasb)"
     assert sig["RestrictNamespaces"] == "t"
-    assert sig["AllowedCPUs"] == "ay" and sig["DeviceAllow"] == "a(ss)"
+    assert sig["AllowedCPUs"] == sig["CPUAffinity"] == "ay" and sig["DeviceAllow"] == "a(ss)"
+    assert sig["CPUWeight"] == "t"
     assert sig["EnvironmentFiles"] == "a(sb)" and sig["ReadWritePaths"] == "as"
 
 
@@ -85,7 +86,7 @@ def test_signatures_match_systemd_bus_api() -> None:
     dict(name="qwen"), dict(argv=["vllm", "serve"]), dict(argv=[]),
     dict(environment={"BAD-NAME": "x"}), dict(markers={"Deployment": "x"}),
     dict(environment_file="relative.env"), dict(devices=["nvidia0"]), dict(cpu_quota=0),
-    dict(allowed_cpus="3-1"),
+    dict(allowed_cpus="3-1"), dict(cpu_weight=0),
 ])
 def test_invalid_units_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(SystemdError) as err:

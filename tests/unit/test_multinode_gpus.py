@@ -167,6 +167,9 @@ class _Ctl:
     def launch_memory(self, actor, rank=None):
         return self.memory.launch_memory(actor, rank)
 
+    def cores_for(self, actor, rank=None):
+        return self.memory.cores_for(actor, rank)
+
     async def lease_port(self, name, host):
         return 31000
 
@@ -176,8 +179,8 @@ class _Ctl:
     def dev_controls(self, host):
         return True
 
-    def cpu_threads(self, spec, host):
-        return 8
+    def cpu_threads(self, spec, host, cores=()):
+        return len(cores) or 8
 
     async def launch_credentials_on(self, host, key_file, key, files):
         # As on a host without systemd-creds: 0600 files, nothing encrypted.

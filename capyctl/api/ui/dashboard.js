@@ -235,6 +235,8 @@ function renderMemory() {
         const amount = mine ? (mine.held ?? mine.reserved) : 0;
         if (amount > 0) holders.push({ name: dep.name, amount, parked: (stateOf[dep.name] || dep.state) === "parked" });
       }
+      // Cores (a cpu:<host> domain) are counted in cores, every other domain in bytes.
+      const fmt = dom.kind === "cpu" ? (n) => `${n} core${n === 1 ? "" : "s"}` : bytes;
       const capacity = dom.capacity || 1;
       const held = holders.reduce((sum, h) => sum + h.amount, 0);
       const used = dom.available === null || dom.available === undefined ? null : Math.max(0, capacity - dom.available);
@@ -244,22 +246,23 @@ function renderMemory() {
       const legend = el("div", { class: "legend" });
       for (const h of holders) {
         const kind = h.parked ? "parked" : "resident";
-        const title = `${h.name}: ${bytes(h.amount)} ${h.parked ? "parked in host RAM" : "resident"}`;
+        const parked = dom.kind === "cpu" ? "parked in place" : "parked in host RAM";
+        const title = `${h.name}: ${fmt(h.amount)} ${h.parked ? parked : "resident"}`;
         bar.append(el("div", { class: `segment ${kind}`, title, dataset: { deployment: h.name },
                                width: `${(100 * h.amount / capacity).toFixed(2)}%` }));
         legend.append(el("span", {}, el("span", { class: `swatch segment ${kind}` }), title));
       }
       if (other > 0) {
-        bar.append(el("div", { class: "segment other", title: `other use: ${bytes(other)}`,
+        bar.append(el("div", { class: "segment other", title: `other use: ${fmt(other)}`,
                                width: `${(100 * other / capacity).toFixed(2)}%` }));
-        legend.append(el("span", {}, el("span", { class: "swatch segment other" }), `other use: ${bytes(other)}`));
+        legend.append(el("span", {}, el("span", { class: "swatch segment other" }), `other use: ${fmt(other)}`));
       }
-      legend.append(el("span", {}, `free: ${used === null ? "unknown" : bytes(free)}`));
-      bar.setAttribute("aria-label", `${dom.id}: ${bytes(held)} held by deployments of ${bytes(dom.capacity)}`);
+      legend.append(el("span", {}, `free: ${used === null ? "unknown" : fmt(free)}`));
+      bar.setAttribute("aria-label", `${dom.id}: ${fmt(held)} held by deployments of ${fmt(dom.capacity)}`);
       const label = dom.kind === "gpu" ? `GPU ${dom.index}${dom.model ? ` (${dom.model})` : ""} on ${host.host}`
-                                       : `RAM of ${host.host}`;
+                  : dom.kind === "cpu" ? `Cores of ${host.host}` : `RAM of ${host.host}`;
       root.append(el("div", { class: "domain", dataset: { domain: dom.id } },
-        el("div", { class: "domain-title" }, el("span", {}, label), el("span", { class: "muted" }, `${bytes(dom.capacity)}`)),
+        el("div", { class: "domain-title" }, el("span", {}, label), el("span", { class: "muted" }, `${fmt(dom.capacity)}`)),
         bar, legend));
     }
   }
