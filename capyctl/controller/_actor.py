@@ -121,6 +121,9 @@ class DeploymentActor:
         # The latest wake's phases until its first answer ends them (answered); the latest park's.
         self._wake_timeline: Timeline | None = None
         self.last_park_timeline: dict[str, Any] | None = None
+        # The next launch armed after an eviction's park, beside the wake it made room for; the
+        # next command waits for it (_run), so it is one more step of the park, not a second writer.
+        self._arming: asyncio.Task | None = None
         # Its one systemd unit (a single-host deployment): launch, watch, stop, arming (_unit.py).
         self.engine_unit = EngineUnit(self)
         # A deployment with nodes > 1 is a group of units, one per host (see _members.py).
@@ -264,6 +267,12 @@ class DeploymentActor:
                 self._queued_other_than_wake -= 1
             if queued.future.cancelled():
                 continue
+            if self._arming is not None:
+                arming, self._arming = self._arming, None
+                try:
+                    await arming
+                except Exception:  # arming is an optimisation (EngineUnit.arm): the park stands
+                    log.exception("deployment %s: arming after its eviction failed", self.name)
             try:
                 result = await self._handlers[command](**queued.args)
             except asyncio.CancelledError:
@@ -327,21 +336,7 @@ class DeploymentActor:
         woken_from_park = self.state == DeploymentState.PARKED
         woken_in_place = False
         async with self._start_failures():
-            # Evicted without arming (its park made room for a wake that waited): when this wake
-            # has to wait for room in turn, it arms meanwhile, so that it opens a gate then rather
-            # than starting a unit. (A wake that need not wait starts the unit as it would arm it.)
-            arming: list[asyncio.Task] = []
-
-            def arm_while_waiting() -> None:
-                if self.state == DeploymentState.PARKED and self.parked == Parked.STOPPED \
-                        and self.engine_unit.can_arm():
-                    arming.append(asyncio.create_task(RESTART_MODE.arm(self), name=f"arm:{self.name}"))
-
-            try:
-                await self.controller.make_room(self, progress, timeline, waits=arm_while_waiting)
-            finally:
-                for task in arming:
-                    await task
+            await self.controller.make_room(self, progress, timeline)
             timeline.lap(phases.MAKE_ROOM)
             if self.state == DeploymentState.PARKED and self.parked_in_place and await self.engine_unit.active():
                 self._set(DeploymentState.WAKING)
@@ -550,6 +545,10 @@ class DeploymentActor:
         if not in_place and (idle or not evicting):
             await RESTART_MODE.arm(self)
             timeline.lap(phases.ARM)
+        elif not in_place:
+            # An eviction: the wake it makes room for waits for this park to return, so the next
+            # launch is armed after it (the deployment's next command waits for that).
+            self._arming = asyncio.create_task(RESTART_MODE.arm(self), name=f"arm:{self.name}")
         self._keep_park_timeline(timeline)
         return self.state
 
@@ -740,6 +739,10 @@ class DeploymentActor:
 
     async def close(self) -> None:
         self.liveness.stop()
+        if self._arming is not None:
+            self._arming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._arming
         # Cancelled again until it ends: on Python 3.11 a cancel that lands as an awaited
         # wait_for completes is lost (CPython gh-86296), and the task would wait for a command.
         while not self._task.done():

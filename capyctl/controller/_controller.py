@@ -330,20 +330,17 @@ class Controller:
 
     # -- making room --------------------------------------------------------------------------------
 
-    async def make_room(self, actor: DeploymentActor, progress: Progress, timeline: Timeline | None = None,
-                        waits: Callable[[], None] | None = None) -> None:
+    async def make_room(self, actor: DeploymentActor, progress: Progress, timeline: Timeline | None = None) -> None:
         """Park or stop idle deployments until ``actor`` fits; busy ones are never touched. Where
         busy deployments hold the room, wait for it in line (controller/_turns.py), at most
         ``swap.wait_max``; raises NoRoom at once where waiting would not bring it. ``timeline``
-        gets the waits for room and the evictions as phases, and the evicted parks' timelines;
-        ``waits`` is called once, when the wake first has to wait."""
+        gets the waits for room and the evictions as phases, and the evicted parks' timelines."""
         try:
-            await self._make_room(actor, progress, timeline if timeline is not None else Timeline(), waits)
+            await self._make_room(actor, progress, timeline if timeline is not None else Timeline())
         finally:
             self.turns.leave(actor.name, {name: a.requests for name, a in self.actors.items()})
 
-    async def _make_room(self, actor: DeploymentActor, progress: Progress, timeline: Timeline,
-                         waits: Callable[[], None] | None) -> None:
+    async def _make_room(self, actor: DeploymentActor, progress: Progress, timeline: Timeline) -> None:
         told = ""
         while True:
             beat = self.turns.beat()  # before looking: a change while we look is not missed
@@ -366,8 +363,6 @@ class Controller:
             note = (f"waiting for room held by {', '.join(sorted(y.name for y in yielders))}" if yielders
                     else "waiting for its turn to make room") + (f"; {ahead} deployment(s) ahead" if ahead else "")
             if note != told:
-                if not told and waits is not None:
-                    waits()
                 progress(note)
                 told = note
             if actor.redirected:

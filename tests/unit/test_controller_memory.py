@@ -10,6 +10,7 @@ import pytest
 
 from capyctl.config import DaemonConfig
 from capyctl.controller._memory import MemoryPlanner
+from capyctl.controller._lifecycle import Command
 from capyctl.controller._park_modes import RESTART
 from capyctl.engines import adapter_for
 from capyctl.scheduler import GpuCard, NoRoom
@@ -414,25 +415,20 @@ async def test_a_park_arms_the_next_launch_on_the_planned_card_and_a_changed_pla
     assert launched == ["chat"]  # launched afresh
 
 
-async def test_an_eviction_does_not_arm_but_an_idle_park_does(vllm_on_two_cards):
+async def test_an_eviction_arms_after_it_returns_and_the_next_wake_opens_the_gate(vllm_on_two_cards):
+    """The wake an eviction makes room for waits for the park to return, so the park arms the next
+    launch only after it (the deployment's next command waits for that); an idle park arms within."""
     ctl, systemd, contexts, model = vllm_on_two_cards
     actor = await _ready_on_the_h100(ctl, model)
-    await actor._do_park(evicting=True)  # another deployment's wake waits for this park
-    assert len(systemd.started) == 1 and actor.describe()["armed"] is False
-    await actor._do_stop()
-    await actor._launch(lambda _: None)
-    actor._set("ready")
-    await actor._do_park(evicting=True)
-    # Its next wake arms beside its wait for room (_do_wake), then opens that unit's gate: no
-    # unit is started after the room is made.
-    assert actor.parked == "stopped"
-    await RESTART.arm(actor)
-    assert systemd.started[-1].gated and actor.parked == "armed"
+    assert await actor.submit(Command.PARK, evicting=True) == "parked"
+    assert len(systemd.started) == 1 and actor.parked == "stopped"  # returned before arming
+    await actor._arming
+    assert systemd.started[-1].gated and actor.parked == "armed" and actor.describe()["armed"] is True
 
     async def launch():
         raise AssertionError("an armed wake starts no unit")
 
-    await RESTART.wake(actor, lambda _: None, launch)
+    await RESTART.wake(actor, lambda _: None, launch)  # as _do_wake does once its room is made
     assert systemd.gates_opened == ["capyctl-chat.service"] and actor.parked == "no"
     await actor._do_stop()
     await actor._launch(lambda _: None)
