@@ -141,6 +141,63 @@ def unit_main_pid(unit: str, argv: list[str], proc: Path = Path("/proc")) -> int
     return None
 
 
+def _cgroup_mounts(proc: Path) -> tuple[dict[str, Path], Path | None]:
+    """The cgroup v1 hierarchies' mount points by controller, and the cgroup v2 mount when it is the
+    whole tree (/sys/fs/cgroup itself: a v2 mount beside v1 ones, "hybrid", holds no controller)."""
+    v1: dict[str, Path] = {}
+    v2 = None
+    for line in (proc / "self" / "mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fstype, _, options = (right.split() + ["", "", ""])[:3]
+        mount = Path(left.split()[4])
+        if fstype == "cgroup":
+            for option in options.split(","):
+                v1[option] = mount
+        elif fstype == "cgroup2":
+            v2 = mount
+    return v1, (v2 if not v1.get("cpu") else None)
+
+
+def cpu_cgroups_beside(pid: int, leaf: str, proc: Path = Path("/proc")) -> list[Path]:
+    """Directories of a cgroup ``leaf`` beside the CPU cgroup of process ``pid`` (a unit's engine):
+    the same parent, so the kernel's scheduler, which shares the CPU among sibling cgroups by their
+    weights, treats a process put there as it treats the unit. In the v1 ``cpu`` hierarchy, or the
+    v2 tree; empty when neither is mounted here."""
+    try:
+        v1, v2 = _cgroup_mounts(proc)
+        lines = (proc / str(pid) / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    dirs = []
+    for line in lines:
+        hierarchy, controllers, path = line.split(":", 2)
+        mount = v2 if hierarchy == "0" and not controllers else (
+            v1.get("cpu") if "cpu" in controllers.split(",") else None)
+        if mount is not None and path.startswith("/") and path != "/":
+            dirs.append(mount / path.lstrip("/").rpartition("/")[0] / leaf)
+    return dirs
+
+
+def place_in(pid: int, dirs: list[Path]) -> str | None:
+    """Move process ``pid`` (all its threads) into each cgroup directory, made if missing; why not,
+    or None when done."""
+    for directory in dirs:
+        try:
+            directory.mkdir(exist_ok=True)
+            (directory / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            return f"could not put it in {directory}: {exc}"
+    return None if dirs else "no CPU cgroup hierarchy to put it in"
+
+
+def remove_cgroups(dirs: list[Path]) -> None:
+    for directory in dirs:
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
+
+
 def engine_facts(pid: int | None, argv: list[str], proc: Path = Path("/proc")) -> dict[str, Any]:
     """How the engine process uses the CPU: its thread flag, its threads, affinity and niceness, its
     CPU cgroup, and the environment variables of thread pools."""
@@ -217,6 +274,11 @@ def check(reports: list[dict[str, Any]]) -> dict[str, Any]:
                                f"{label}")
         if same_engine:
             eb, ec = cb.get("engine") or {}, c.get("engine") or {}
+            pb, pc = _parent(eb.get("cpu_cgroup")), _parent(ec.get("cpu_cgroup"))
+            if pb is not None and pc is not None and pb != pc:
+                differences.append(f"the engine's CPU cgroup: under {pb} for {labels[0]}, under {pc} for {label} "
+                                   "(the scheduler shares the CPU among sibling cgroups: with other work on the "
+                                   "machine the two get different shares)")
             for key, what in (("argv", "command line (where it listens aside)"), ("threads_flag", "thread flag"),
                               ("cpu_affinity", "CPU affinity"), ("nice", "niceness"),
                               ("thread_env", "thread-pool environment")):
@@ -228,6 +290,10 @@ def check(reports: list[dict[str, Any]]) -> dict[str, Any]:
         notes.append("other work held the CPU while measuring (cores, on average): " + ", ".join(busy)
                      + "; the figures are low for it, the ratios of sides measured turn by turn less so")
     return {"same": not differences, "differences": differences, "notes": notes}
+
+
+def _parent(cgroup: Any) -> str | None:
+    return (cgroup.rpartition("/")[0] or "/") if isinstance(cgroup, str) and cgroup.startswith("/") else None
 
 
 def _when(conditions: dict[str, Any]) -> str:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 from ..bench._core import (SECTIONS, BenchConfig, BenchError, Control, Endpoint, measure_wake, post_json,
                            run_benchmarks, stream_chat, summarize)
-from ._conditions import CpuWindow, engine_facts, unit_main_pid
+from ._conditions import CpuWindow, cpu_cgroups_beside, engine_facts, place_in, remove_cgroups, unit_main_pid
 from ._machine import hardware_shortfall, machine_facts
 from ._recipe import Recipe
 from ._steps import RecipeRunError, StepLog
@@ -472,10 +472,11 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
         report["memory"] = {"ready": memory_facts(capyctl, recipe.name)}
         config = bench_config(recipe, options.quick, task, skip=set())
         launch = (capyctl.quiet_json("inspect", "deployment", recipe.name) or {}).get("launch_command")
+        unit_pid = unit_main_pid(f"capyctl-{recipe.name}.service", list((launch or {}).get("argv") or []))
         if want_direct:
-            direct = DirectLaunch(recipe, recipe_file, options, machine, report, launch, log)
+            direct = DirectLaunch(recipe, recipe_file, options, machine, report, launch, unit_pid, log)
         try:
-            bench_both(recipe, capyctl, endpoint, report, launch, config, direct, log)
+            bench_both(endpoint, report, launch, unit_pid, config, direct, log)
         finally:
             if direct:
                 direct.stop()
@@ -508,9 +509,8 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
     return reports
 
 
-def bench_both(recipe: Recipe, capyctl: _Capyctl, endpoint: Endpoint, report: dict[str, Any],
-               launch: dict[str, Any] | None, config: BenchConfig, direct: "DirectLaunch | None",
-               log: StepLog) -> None:
+def bench_both(endpoint: Endpoint, report: dict[str, Any], launch: dict[str, Any] | None, unit_pid: int | None,
+               config: BenchConfig, direct: "DirectLaunch | None", log: StepLog) -> None:
     """capyctl bench through CapyCTL, and of the direct launch when there is one, turn by turn; wake
     aside (it restarts the unit: measure_wake after). Each report gets the window's conditions."""
     endpoints, configs = [endpoint], [dataclasses.replace(config, skip=config.skip | {"wake"})]
@@ -519,10 +519,9 @@ def bench_both(recipe: Recipe, capyctl: _Capyctl, endpoint: Endpoint, report: di
         endpoints.append(direct.endpoint)
         configs.append(dataclasses.replace(config, skip=config.skip | {"systemone", "wake"}))
     argv = list((launch or {}).get("argv") or [])
-    unit_pid = unit_main_pid(f"capyctl-{recipe.name}.service", argv) if argv else None
     engines = {"capyctl": unit_pid, **({"direct": direct.proc.pid} if direct else {})}
     window = CpuWindow()
-    shown = f"capyctl bench --model {recipe.name} --capyctl capyctl" + (
+    shown = f"capyctl bench --model {endpoint.model} --capyctl capyctl" + (
         f" and --base-url {direct.endpoint.base_url}, turn by turn" if direct else "")
     with log.step("capyctl bench", shown):
         try:
@@ -537,15 +536,24 @@ def bench_both(recipe: Recipe, capyctl: _Capyctl, endpoint: Endpoint, report: di
     if direct:
         direct.report["bench"] = benched[1]
         direct.report["conditions"] = {"measured_with": runs[:1], "cpu": cpu,
-                                       "engine": engine_facts(direct.proc.pid, list(direct.proc.args))}
+                                       "engine": engine_facts(direct.proc.pid, list(direct.proc.args)),
+                                       "placed_beside_unit": direct.placed}
 
 
 class DirectLaunch:
     """The engine launched directly with the unit's command line, beside the unit, up to its first
-    answer; its report is filled by bench_both and finished by stop()."""
+    answer; its report is filled by bench_both and finished by stop().
+
+    It runs in a CPU cgroup beside the unit's (``capyctl-recipe-direct-<name>``, the same parent),
+    where the machine allows: the scheduler shares the CPU among sibling cgroups by weight, so from
+    the runner's own cgroup the engine got another share than the unit as soon as other work ran.
+    With about one core of other work on this 2-core machine, the same direct launch decoded at
+    23.6 tokens/s from the runner's cgroup (the root) and at 7.5 beside the unit, which got 4.9
+    (docs/benchmarks.md, "Recipes")."""
 
     def __init__(self, recipe: Recipe, recipe_file: Path, options: RunOptions, machine: dict[str, Any],
-                 via_capyctl: dict[str, Any], command: dict[str, Any] | None, log: StepLog) -> None:
+                 via_capyctl: dict[str, Any], command: dict[str, Any] | None, unit_pid: int | None,
+                 log: StepLog) -> None:
         if not command:
             raise RecipeRunError("the daemon did not report the engine's command line (capyctl inspect's "
                                  "launch_command); it is older than this runner", code="direct_unsupported")
@@ -558,6 +566,10 @@ class DirectLaunch:
         task = str(recipe.deployment.get("task") or "generate")
         t0 = time.perf_counter()
         self.proc, port = launch_direct(command, out, options.timeout, log)
+        self.cgroups = cpu_cgroups_beside(unit_pid, f"capyctl-recipe-direct-{recipe.name}") if unit_pid else []
+        why_not = place_in(self.proc.pid, self.cgroups) if unit_pid else "the unit's engine is not on this machine"
+        # True, or why it stayed in the runner's cgroup (the comparison's conditions check then says so).
+        self.placed: bool | str = why_not or True
         self.memory = _TreeMemory(self.proc.pid)
         try:
             base_url = f"http://127.0.0.1:{port}"
@@ -582,6 +594,7 @@ class DirectLaunch:
         peak = self.memory.stop()
         with self.log.step("stop the direct launch", f"kill -TERM -{self.proc.pid}"):
             stop_direct(self.proc)
+        remove_cgroups(self.cgroups)
         self.report.setdefault("memory", {})["end"] = {"process_tree_rss_peak_bytes": peak}
         self.report["steps"] = [s.as_dict() for s in self.log.steps[self.first_step:]]
         self.report["finished_at"] = time.time()

@@ -97,6 +97,10 @@ def test_llamacpp_recipe_quick_run_reports_every_field(capyhost, tmp_path: Path)
     for key in ("argv", "threads_flag", "cpu_affinity", "nice", "thread_env"):
         assert unit_engine[key] == direct_engine[key], key
     assert set(report["conditions"]["cpu"]["engine_cores"]) == {"capyctl", "direct"}
+    # The direct launch ran in a CPU cgroup beside the unit's, so the scheduler shared the CPU alike.
+    assert direct["conditions"]["placed_beside_unit"] is True
+    assert direct_engine["cpu_cgroup"].rpartition("/")[0] == unit_engine["cpu_cgroup"].rpartition("/")[0]
+    assert direct_engine["cpu_cgroup"].endswith("/capyctl-recipe-direct-smollm2-llamacpp-chat")
     assert "## Conditions" in markdown
 
     # One results-table row a measured point, for both reports.
