@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ._core import (BenchConfig, BenchError, Control, Endpoint, StreamResult, build_parser, main,
-                    make_prompt, render_markdown, run_benchmark, run_streams, stream_chat, summarize,
-                    write_report)
+from ._core import (BenchConfig, BenchError, Control, Endpoint, StreamResult, build_parser, interleave, main,
+                    make_prompt, render_markdown, run_benchmark, run_benchmarks, run_streams, stream_chat,
+                    summarize, write_report)
 
 __all__ = [
-    "BenchConfig", "BenchError", "Control", "Endpoint", "StreamResult", "build_parser", "main", "make_prompt",
-    "render_markdown", "run_benchmark", "run_streams", "standalone_source", "stream_chat", "summarize",
-    "write_report",
+    "BenchConfig", "BenchError", "Control", "Endpoint", "StreamResult", "build_parser", "interleave", "main",
+    "make_prompt", "render_markdown", "run_benchmark", "run_benchmarks", "run_streams", "standalone_source",
+    "stream_chat", "summarize", "write_report",
 ]
 
 _STANDALONE_HEADER = ("# Generated from capyctl/bench/_core.py by `python -m capyctl.bench --write-standalone "

@@ -29,7 +29,7 @@ import sys
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -47,6 +47,8 @@ from typing import Any, Callable, Sequence
 #     all passes, unanswered ones count as wrong), "cases": int, "passes": int, "per_case":
 #     [{"name": str, "expected": {question id: answer}, "got": [{question id: answer | None}, one
 #     per pass], "correct": int, "asked": int}]; answers in /v1/systemone's own shape.
+#   report["interleaved_with"] (only when measured beside other endpoints, run_benchmarks): the
+#     other endpoints' base URLs; each repetition went to every endpoint in turn (interleave).
 REPORT_VERSION = 2
 TASKS = ("generate", "embed")
 DEFAULT_EMBEDDING_BATCHES = (1, 4, 16)
@@ -340,32 +342,60 @@ def _require_ok(result: StreamResult, what: str) -> StreamResult:
     return result
 
 
+def interleave(endpoints: Sequence[Endpoint], reps: int, trial: Callable[[Endpoint], Any], *,
+               start: int = 0) -> list[list[Any]]:
+    """``reps`` trials on each endpoint, each repetition sent to every endpoint in turn, the order
+    rotating (A B, B A, A B, ...); the trials' results by endpoint.
+
+    On a machine where other work comes and goes, endpoints measured one after the other see
+    different machines: a llama-server with as many threads as cores decoded at 120 tokens/s alone
+    and at 2 to 22 beside one busy process (docs/benchmarks.md, "Recipes"). Turn by turn, such a
+    load falls on every endpoint alike, so their ratio holds where their figures do not.
+    """
+    results: list[list[Any]] = [[] for _ in endpoints]
+    for i in range(start, start + reps):
+        for j in range(len(endpoints)):
+            k = (i + j) % len(endpoints)
+            results[k].append(trial(endpoints[k]))
+    return results
+
+
+def latency_points(endpoints: Sequence[Endpoint], config: BenchConfig) -> list[dict[str, Any]]:
+    """Time to first token and decode tokens/s of single streams, one after another; per endpoint."""
+    def trial(endpoint: Endpoint) -> StreamResult:
+        return _require_ok(stream_chat(endpoint, make_prompt(32, _nonce()), config.max_tokens,
+                                       ignore_eos=config.ignore_eos), "a latency stream")
+    return [{"max_tokens": config.max_tokens,
+             "ttft_s": summarize([r.ttft for r in results]),
+             "decode_tokens_per_s": summarize([r.decode_tps for r in results]),
+             "completion_tokens": summarize([r.tokens for r in results])}
+            for results in interleave(endpoints, config.runs, trial)]
+
+
 def measure_latency(endpoint: Endpoint, config: BenchConfig) -> dict[str, Any]:
     """Time to first token and decode tokens/s of single streams, one after another."""
-    results = [_require_ok(stream_chat(endpoint, make_prompt(32, _nonce()), config.max_tokens,
-                                       ignore_eos=config.ignore_eos), "a latency stream")
-               for _ in range(config.runs)]
-    return {"max_tokens": config.max_tokens,
-            "ttft_s": summarize([r.ttft for r in results]),
-            "decode_tokens_per_s": summarize([r.decode_tps for r in results]),
-            "completion_tokens": summarize([r.tokens for r in results])}
+    return latency_points([endpoint], config)[0]
+
+
+def prompt_sweep_points(endpoints: Sequence[Endpoint], config: BenchConfig) -> list[list[dict[str, Any]]]:
+    """Prompt processing speed by length (prompt tokens / time to the first token); per endpoint."""
+    points: list[list[dict[str, Any]]] = [[] for _ in endpoints]
+    for words in config.prompt_lengths:
+        def trial(endpoint: Endpoint) -> StreamResult:
+            return _require_ok(stream_chat(endpoint, make_prompt(words, _nonce()), 1, ignore_eos=config.ignore_eos),
+                               f"a {words}-word prompt")
+        for mine, results in zip(points, interleave(endpoints, max(1, config.runs // 2), trial)):
+            rated = [r for r in results if r.prompt_tokens and r.ttft]
+            counts = [r.prompt_tokens for r in rated]
+            mine.append({"target_tokens": words, "prompt_tokens": statistics.median(counts) if counts else None,
+                         "ttft_s": summarize([r.ttft for r in results]),
+                         "prompt_tokens_per_s": summarize([r.prompt_tokens / r.ttft for r in rated])})
+    return points
 
 
 def measure_prompt_sweep(endpoint: Endpoint, config: BenchConfig) -> list[dict[str, Any]]:
     """Prompt processing speed by length: prompt tokens / time to the first token."""
-    points = []
-    for words in config.prompt_lengths:
-        rates, ttfts, counts = [], [], []
-        for _ in range(max(1, config.runs // 2)):
-            r = _require_ok(stream_chat(endpoint, make_prompt(words, _nonce()), 1, ignore_eos=config.ignore_eos),
-                            f"a {words}-word prompt")
-            ttfts.append(r.ttft)
-            if r.prompt_tokens and r.ttft:
-                counts.append(r.prompt_tokens)
-                rates.append(r.prompt_tokens / r.ttft)
-        points.append({"target_tokens": words, "prompt_tokens": statistics.median(counts) if counts else None,
-                       "ttft_s": summarize(ttfts), "prompt_tokens_per_s": summarize(rates)})
-    return points
+    return prompt_sweep_points([endpoint], config)[0]
 
 
 def run_streams(endpoint: Endpoint, streams: int, max_tokens: int, *, ignore_eos: bool = True,
@@ -382,19 +412,26 @@ def run_streams(endpoint: Endpoint, streams: int, max_tokens: int, *, ignore_eos
     return results, time.perf_counter() - started
 
 
-def measure_concurrency(endpoint: Endpoint, config: BenchConfig) -> list[dict[str, Any]]:
-    points = []
-    for streams in config.concurrency:
-        results, wall = run_streams(endpoint, streams, config.concurrency_tokens, ignore_eos=config.ignore_eos)
-        failed = [r for r in results if not r.ok]
-        tokens = sum(r.tokens for r in results if r.ok)
-        points.append({"streams": streams, "wall_s": wall, "failed": len(failed),
-                       "errors": sorted({r.error or "" for r in failed})[:5],
-                       "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
-                       "ttft_s": summarize([r.ttft for r in results if r.ok]),
-                       "per_stream_ttft_s": [r.ttft for r in results],
-                       "per_stream_decode_tokens_per_s": summarize([r.decode_tps for r in results if r.ok])})
+def concurrency_points(endpoints: Sequence[Endpoint], config: BenchConfig) -> list[list[dict[str, Any]]]:
+    """Per stream count, one round of that many streams at once; per endpoint."""
+    points: list[list[dict[str, Any]]] = [[] for _ in endpoints]
+    for n, streams in enumerate(config.concurrency):
+        def trial(endpoint: Endpoint) -> tuple[list[StreamResult], float]:
+            return run_streams(endpoint, streams, config.concurrency_tokens, ignore_eos=config.ignore_eos)
+        for mine, ((results, wall),) in zip(points, interleave(endpoints, 1, trial, start=n)):
+            failed = [r for r in results if not r.ok]
+            tokens = sum(r.tokens for r in results if r.ok)
+            mine.append({"streams": streams, "wall_s": wall, "failed": len(failed),
+                         "errors": sorted({r.error or "" for r in failed})[:5],
+                         "aggregate_tokens_per_s": tokens / wall if wall > 0 else None,
+                         "ttft_s": summarize([r.ttft for r in results if r.ok]),
+                         "per_stream_ttft_s": [r.ttft for r in results],
+                         "per_stream_decode_tokens_per_s": summarize([r.decode_tps for r in results if r.ok])})
     return points
+
+
+def measure_concurrency(endpoint: Endpoint, config: BenchConfig) -> list[dict[str, Any]]:
+    return concurrency_points([endpoint], config)[0]
 
 
 def post_embeddings(endpoint: Endpoint, inputs: list[str], what: str) -> tuple[dict[str, Any], float]:
@@ -420,33 +457,43 @@ def _usage_prompt_tokens(answer: dict[str, Any]) -> int | None:
     return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
 
 
-def measure_embeddings(endpoint: Endpoint, config: BenchConfig) -> dict[str, Any]:
-    """Latency, inputs/s and prompt tokens/s of /v1/embeddings by batch size and input length."""
+def embeddings_points(endpoints: Sequence[Endpoint], config: BenchConfig) -> list[dict[str, Any]]:
+    """Latency, inputs/s and prompt tokens/s of /v1/embeddings by batch size and input length; per endpoint."""
     lengths = list(config.prompt_lengths[:EMBEDDING_MAX_LENGTHS])
-    dimensions: set[int] = set()
-    points = []
+    dimensions: list[set[int]] = [set() for _ in endpoints]
+    points: list[list[dict[str, Any]]] = [[] for _ in endpoints]
     for batch in config.embedding_batches:
         for words in lengths:
-            seconds, input_rates, token_rates, per_input = [], [], [], []
-            for _ in range(config.runs):
+            def trial(endpoint: Endpoint) -> tuple[dict[str, Any], float]:
                 # A nonce per input, so no prompt or embedding cache answers a repeated text.
                 inputs = [make_prompt(words, _nonce()) for _ in range(batch)]
-                answer, took = post_embeddings(endpoint, inputs, f"a batch of {batch} {words}-word inputs")
-                dimensions.update(len(d["embedding"]) for d in answer["data"])
-                seconds.append(took)
-                input_rates.append(batch / took if took > 0 else None)
-                tokens = _usage_prompt_tokens(answer)
-                if tokens is not None:
-                    per_input.append(tokens / batch)
-                    token_rates.append(tokens / took if took > 0 else None)
-            points.append({"batch_size": batch, "target_tokens": words,
-                           "prompt_tokens_per_input": statistics.median(per_input) if per_input else None,
-                           "latency_s": summarize(seconds), "inputs_per_s": summarize(input_rates),
-                           "prompt_tokens_per_s": summarize(token_rates)})
-    if len(dimensions) > 1:
-        raise BenchError(f"the vectors have different dimensions: {sorted(dimensions)}", code="bad_embeddings")
-    return {"dimension": dimensions.pop() if dimensions else None, "batch_sizes": list(config.embedding_batches),
-            "input_lengths": lengths, "points": points}
+                return post_embeddings(endpoint, inputs, f"a batch of {batch} {words}-word inputs")
+            for i, answers in enumerate(interleave(endpoints, config.runs, trial)):
+                seconds, input_rates, token_rates, per_input = [], [], [], []
+                for answer, took in answers:
+                    dimensions[i].update(len(d["embedding"]) for d in answer["data"])
+                    seconds.append(took)
+                    input_rates.append(batch / took if took > 0 else None)
+                    tokens = _usage_prompt_tokens(answer)
+                    if tokens is not None:
+                        per_input.append(tokens / batch)
+                        token_rates.append(tokens / took if took > 0 else None)
+                points[i].append({"batch_size": batch, "target_tokens": words,
+                                  "prompt_tokens_per_input": statistics.median(per_input) if per_input else None,
+                                  "latency_s": summarize(seconds), "inputs_per_s": summarize(input_rates),
+                                  "prompt_tokens_per_s": summarize(token_rates)})
+    out = []
+    for dims, mine in zip(dimensions, points):
+        if len(dims) > 1:
+            raise BenchError(f"the vectors have different dimensions: {sorted(dims)}", code="bad_embeddings")
+        out.append({"dimension": dims.pop() if dims else None, "batch_sizes": list(config.embedding_batches),
+                    "input_lengths": lengths, "points": mine})
+    return out
+
+
+def measure_embeddings(endpoint: Endpoint, config: BenchConfig) -> dict[str, Any]:
+    """Latency, inputs/s and prompt tokens/s of /v1/embeddings by batch size and input length."""
+    return embeddings_points([endpoint], config)[0]
 
 
 def _first_answer_after(endpoint: Endpoint, config: BenchConfig, what: str) -> float:
@@ -588,36 +635,60 @@ _TASK_SECTIONS = {"generate": ("latency", "prompt_sweep", "concurrency", "system
 def run_benchmark(endpoint: Endpoint, config: BenchConfig, *, control: Control | None = None,
                   log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Every section of ``config.task`` not skipped; wake needs ``control``. Returns the report as a dict."""
+    return run_benchmarks([endpoint], [config], control=control, log=log)[0]
+
+
+# The sections whose repetitions run_benchmarks sends to every endpoint in turn (see interleave).
+_INTERLEAVED: dict[str, Callable[[Sequence[Endpoint], BenchConfig], list[Any]]] = {
+    "latency": latency_points, "prompt_sweep": prompt_sweep_points, "concurrency": concurrency_points,
+    "embeddings": embeddings_points}
+
+
+def run_benchmarks(endpoints: Sequence[Endpoint], configs: Sequence[BenchConfig], *, control: Control | None = None,
+                   log: Callable[[str], None] = lambda _: None) -> list[dict[str, Any]]:
+    """A report per endpoint, measured together: each repetition of latency, prompt_sweep,
+    concurrency and embeddings goes to every endpoint in turn (``interleave``), so that what else
+    the machine does falls on all of them alike. ``configs[i]`` is endpoint i's; they may differ
+    only in ``skip`` and ``deployment``. systemone runs on each endpoint that asks for it, one after
+    the other; wake only on the first endpoint, with ``control``."""
+    if len(endpoints) != len(configs) or not endpoints:
+        raise BenchError("give one config per endpoint", code="invalid_config")
+    config = configs[0]
     if config.task not in TASKS:
         raise BenchError(f"the task {config.task!r} is not one of {', '.join(TASKS)}", code="invalid_task")
-    report: dict[str, Any] = {
-        "version": REPORT_VERSION, "task": config.task, "started_at": time.time(), "base_url": endpoint.base_url,
-        "model": endpoint.model, "config": {k: (sorted(v) if isinstance(v, frozenset) else v)
-                                            for k, v in asdict(config).items()},
+    if any(replace(c, skip=config.skip, deployment=config.deployment) != config for c in configs[1:]):
+        raise BenchError("endpoints measured together need the same settings (skip aside)", code="invalid_config")
+    reports: list[dict[str, Any]] = [{
+        "version": REPORT_VERSION, "task": c.task, "started_at": time.time(), "base_url": e.base_url,
+        "model": e.model, "config": {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in asdict(c).items()},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-    }
+    } for e, c in zip(endpoints, configs)]
+    if len(endpoints) > 1:
+        for i, report in enumerate(reports):
+            report["interleaved_with"] = [e.base_url for j, e in enumerate(endpoints) if j != i]
     log("warming up")
-    if config.task == "embed":
-        post_embeddings(endpoint, ["Hello"], "the warm-up request")
-    else:
-        _require_ok(stream_chat(endpoint, "Hello", 4, ignore_eos=config.ignore_eos), "the warm-up request")
-    measures: dict[str, Callable[[], Any]] = {
-        "latency": lambda: measure_latency(endpoint, config),
-        "prompt_sweep": lambda: measure_prompt_sweep(endpoint, config),
-        "concurrency": lambda: measure_concurrency(endpoint, config),
-        "systemone": lambda: measure_systemone(endpoint, config),
-        "embeddings": lambda: measure_embeddings(endpoint, config),
-    }
-    steps = [(name, measures[name]) for name in _TASK_SECTIONS[config.task]]
-    if control is not None:
-        steps.append(("wake", lambda: measure_wake(endpoint, control, config)))
-    for name, step in steps:
-        if name in config.skip:
+    for endpoint in endpoints:
+        if config.task == "embed":
+            post_embeddings(endpoint, ["Hello"], "the warm-up request")
+        else:
+            _require_ok(stream_chat(endpoint, "Hello", 4, ignore_eos=config.ignore_eos), "the warm-up request")
+    for name in _TASK_SECTIONS[config.task]:
+        members = [i for i, c in enumerate(configs) if name not in c.skip]
+        if not members:
             continue
-        log(f"measuring {name}")
-        report[name] = step()
-    report["finished_at"] = time.time()
-    return report
+        log(f"measuring {name}" + (f" on {len(members)} endpoints in turn" if len(members) > 1 else ""))
+        if name in _INTERLEAVED:
+            figures = _INTERLEAVED[name]([endpoints[i] for i in members], config)
+        else:  # systemone: a suite of questions, not repetitions to interleave
+            figures = [measure_systemone(endpoints[i], configs[i]) for i in members]
+        for i, figure in zip(members, figures):
+            reports[i][name] = figure
+    if control is not None and "wake" not in configs[0].skip:
+        log("measuring wake")
+        reports[0]["wake"] = measure_wake(endpoints[0], control, configs[0])
+    for report in reports:
+        report["finished_at"] = time.time()
+    return reports
 
 
 # ---------------------------------------------------------------- output

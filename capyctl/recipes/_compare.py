@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ._conditions import check as check_conditions
 from ._points import POINT_KEY, points
 from ._render import pyplot, save_chart
 from ._steps import RecipeRunError
@@ -83,7 +84,7 @@ def compare(reports: list[dict[str, Any]]) -> dict[str, Any]:
                      "higher_is_better": base["unit"] in HIGHER_IS_BETTER})
     return {"kind": "capyctl-recipe-comparison", "baseline": _label(reports[0]),
             "reports": [{"label": _label(r), "path": r["_path"], "run_id": r.get("run_id")} for r in reports],
-            "method": _differences(reports),
+            "method": _differences(reports), "conditions": check_conditions(reports),
             "machines": [r.get("machine") for r in reports],
             "not_in_all": sorted({"/".join(str(x) for x in k if x is not None) for t in tables for k in t
                                   if k not in set(keys)})[:50],
@@ -115,6 +116,11 @@ def render_markdown(result: dict[str, Any]) -> str:
     lines = ["# Recipe comparison", "", "Reports (the first is the baseline; ratios are each report's figure "
              "divided by the baseline's):", ""]
     lines += [f"{i + 1}. {r['label']}: `{r['path']}` (run {r['run_id']})" for i, r in enumerate(reports)]
+    conditions = result.get("conditions") or {}
+    lines += ["", "## Conditions", "", "**The reports ran under the same conditions.**" if conditions.get("same")
+              else "**CONDITIONS DIFFER: the ratios below mix what is compared with how the machine was used.**", ""]
+    lines += [f"- differs: {d}" for d in conditions.get("differences") or []]
+    lines += [f"- note: {n}" for n in conditions.get("notes") or []]
     lines += ["", "## Method", "", "What differs between the reports:", ""]
     lines += [f"- {m}" for m in result["method"]]
     lines += ["- every figure comes from the reports' own runs of capyctl bench with their settings; "

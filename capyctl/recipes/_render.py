@@ -87,6 +87,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                          f"{_mib(_median(t['memory_parked_bytes']))} |")
         runs = report["park_wake"][0]["runs"]
         lines += ["", f"Medians of {runs} runs each." if runs > 1 else "One run each.", ""]
+    lines += render_conditions(report.get("conditions"))
     if report.get("bench"):
         bench = render_bench(report["bench"]).splitlines()
         lines += ["## Benchmark (capyctl bench)", ""] + ["#" + line if line.startswith("## ") else line
@@ -94,6 +95,27 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("launch_command"):
         lines += ["## The engine's command line", "", "```sh", shlex.join(report["launch_command"]["argv"]), "```", ""]
     return "\n".join(lines) + "\n"
+
+
+def render_conditions(conditions: dict[str, Any] | None) -> list[str]:
+    """The conditions the benchmark ran under (capyctl/recipes/_conditions.py), as report.md lines."""
+    if not conditions:
+        return []
+    cpu, engine = conditions.get("cpu") or {}, conditions.get("engine") or {}
+    cores = ", ".join(f"{k} {v:.2f}" if v is not None else f"{k} not found"
+                      for k, v in (cpu.get("engine_cores") or {}).items())
+    top = ", ".join(f"{t['name']} (pid {t['pid']}) {t['cores']:.2f}" for t in cpu.get("top_other") or []) or "none"
+    lines = ["## Conditions", "",
+             f"- measured turn by turn with: {', '.join(conditions.get('measured_with') or []) or 'nothing (alone)'}",
+             f"- load average (1, 5, 15 min) before {cpu.get('load_before')}, after {cpu.get('load_after')}",
+             f"- CPU over the {cpu.get('window_s', 0):.0f} s window, in cores (of {cpu.get('cpus_usable')}): busy "
+             f"{cpu.get('busy_cores', 0):.2f}; engines {cores}; this runner {cpu.get('runner_cores', 0):.2f}; "
+             f"other work {cpu.get('other_cores', 0):.2f} (biggest: {top})",
+             f"- the engine: thread flag {engine.get('threads_flag')}, {engine.get('tasks', '?')} threads, CPU affinity "
+             f"{engine.get('cpu_affinity')}, nice {engine.get('nice')}, CPU cgroup {engine.get('cpu_cgroup')}, "
+             f"thread-pool environment {engine.get('thread_env') or 'none'}"
+             + (f" ({engine['unknown']})" if engine.get("unknown") else ""), ""]
+    return lines
 
 
 def pyplot() -> Any:

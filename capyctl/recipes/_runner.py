@@ -6,11 +6,15 @@ OpenAI-compatible endpoint with capyctl bench. What it measures beside the bench
 
     machine ─ engine (found or built, registered) ─ model (resolved, digest checked, prepared)
       └─ deploy --activate --wait (cold ready) ─ first answer ─ memory at ready
-          └─ capyctl bench ─ park and wake per tier ─ memory peak ─ [the engine launched directly]
+          └─ [the engine launched directly, beside the unit] ─ capyctl bench (of both, turn by turn)
+              ─ wake ─ park and wake per tier ─ memory peak
 
 The direct launch runs the unit's own command line (read from ``capyctl inspect``) without
 systemd or the proxy, on a loopback port, and measures it with the same benchmark settings: the
-comparison ``capyctl recipe compare`` makes of CapyCTL against the engine alone.
+comparison ``capyctl recipe compare`` makes of CapyCTL against the engine alone. Both engines
+are up during the benchmark and each repetition goes to one and then the other (capyctl bench's
+run_benchmarks): measured one after the other, the two sides saw different machines (issue 47).
+Each report records the conditions its benchmark ran under (``_conditions``).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..bench._core import (SECTIONS, BenchConfig, BenchError, Control, Endpoint, post_json, run_benchmark,
-                           stream_chat, summarize)
+from ..bench._core import (SECTIONS, BenchConfig, BenchError, Control, Endpoint, measure_wake, post_json,
+                           run_benchmarks, stream_chat, summarize)
+from ._conditions import CpuWindow, cpu_cgroups_beside, engine_facts, place_in, remove_cgroups, unit_main_pid
 from ._machine import hardware_shortfall, machine_facts
 from ._recipe import Recipe
 from ._steps import RecipeRunError, StepLog
@@ -442,6 +447,8 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
 
     report["manifest"] = {**recipe.manifest(""), "model": model_ref}
     endpoint = Endpoint(options.base_url, recipe.name, options.api_key, timeout=options.timeout)
+    want_direct = options.direct if options.direct is not None else recipe.direct
+    direct: DirectLaunch | None = None
     key_name = None
     try:
         if not options.api_key:
@@ -464,12 +471,22 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
         report["first_answer"] = answer
         report["memory"] = {"ready": memory_facts(capyctl, recipe.name)}
         config = bench_config(recipe, options.quick, task, skip=set())
-        with log.step("capyctl bench", f"capyctl bench --model {recipe.name} --capyctl capyctl"):
-            try:
-                report["bench"] = run_benchmark(endpoint, config, control=Control(cli=capyctl.argv),
-                                                log=lambda m: log.say(f"  bench: {m}"))
-            except BenchError as exc:
-                raise RecipeRunError(f"capyctl bench failed: {exc}", code="bench_failed") from None
+        launch = (capyctl.quiet_json("inspect", "deployment", recipe.name) or {}).get("launch_command")
+        unit_pid = unit_main_pid(f"capyctl-{recipe.name}.service", list((launch or {}).get("argv") or []))
+        if want_direct:
+            direct = DirectLaunch(recipe, recipe_file, options, machine, report, launch, unit_pid, log)
+        try:
+            bench_both(endpoint, report, launch, unit_pid, config, direct, log)
+        finally:
+            if direct:
+                direct.stop()
+        if "wake" not in config.skip:
+            with log.step("capyctl bench: wake", f"capyctl bench --model {recipe.name} --capyctl capyctl"):
+                try:
+                    report["bench"]["wake"] = measure_wake(endpoint, Control(cli=capyctl.argv), config)
+                    report["bench"]["finished_at"] = time.time()
+                except BenchError as exc:
+                    raise RecipeRunError(f"capyctl bench failed: {exc}", code="bench_failed") from None
         report["memory"]["after_bench"] = memory_facts(capyctl, recipe.name)
         report["park_wake"] = park_and_wake(capyctl, endpoint, recipe, task, config.wake_runs,
                                             lambda tier: deploy(tier, f"redeploy with park_tier {tier}"), log)
@@ -486,56 +503,98 @@ def run_recipe(recipe: Recipe, recipe_file: Path, options: RunOptions, log: Step
             subprocess.run([*capyctl.argv, "key", "revoke", key_name], capture_output=True, timeout=60)
     report["steps"] = [s.as_dict() for s in log.steps]
     report["finished_at"] = time.time()
-    reports = [report]
-
-    if options.direct if options.direct is not None else recipe.direct:
-        capyctl("stop the deployment before the direct launch", "stop", "deployment", recipe.name)
-        reports.append(run_direct(recipe, recipe_file, options, machine, report, config, log))
+    reports = [report] + ([direct.report] if direct else [])
     if not options.keep:
         capyctl("delete the deployment", "delete", "deployment", recipe.name)
     return reports
 
 
-def run_direct(recipe: Recipe, recipe_file: Path, options: RunOptions, machine: dict[str, Any],
-               via_capyctl: dict[str, Any], config: BenchConfig, log: StepLog) -> dict[str, Any]:
-    command = via_capyctl.get("launch_command")
-    if not command:
-        raise RecipeRunError("the daemon did not report the engine's command line (capyctl inspect's "
-                             "launch_command); it is older than this runner", code="direct_unsupported")
-    first_step = len(log.steps)
-    report = _base(recipe, recipe_file, options, "direct", machine)
-    report.update(engine=via_capyctl["engine"], model=via_capyctl["model"], manifest=via_capyctl["manifest"])
-    out = options.out / "direct"
-    out.mkdir(parents=True, exist_ok=True)
-    task = str(recipe.deployment.get("task") or "generate")
-    t0 = time.perf_counter()
-    proc, port = launch_direct(command, out, options.timeout, log)
-    memory = _TreeMemory(proc.pid)
-    try:
-        base_url = f"http://127.0.0.1:{port}"
-        with log.step("wait until the engine serves", f"GET {base_url}/v1/models"):
-            served = wait_serving(base_url, proc, options.timeout, log)
-        report["timings"] = {"cold_ready_s": time.perf_counter() - t0}
-        endpoint = Endpoint(base_url, served, None, timeout=options.timeout)
-        with log.step("the first answer from the engine", f"POST {base_url}/v1/..."):
-            answer = first_answer(endpoint, task)
-        report["timings"].update(first_answer_s=answer["seconds"], first_token_s=answer["first_token_s"])
-        report["first_answer"] = answer
-        report["memory"] = {"ready": {"process_tree_rss_peak_bytes": memory.peak}}
+def bench_both(endpoint: Endpoint, report: dict[str, Any], launch: dict[str, Any] | None, unit_pid: int | None,
+               config: BenchConfig, direct: "DirectLaunch | None", log: StepLog) -> None:
+    """capyctl bench through CapyCTL, and of the direct launch when there is one, turn by turn; wake
+    aside (it restarts the unit: measure_wake after). Each report gets the window's conditions."""
+    endpoints, configs = [endpoint], [dataclasses.replace(config, skip=config.skip | {"wake"})]
+    if direct:
         # /v1/systemone is CapyCTL's own route and a wake needs CapyCTL: both are left out.
-        direct_config = dataclasses.replace(config, skip=config.skip | {"systemone", "wake"})
-        with log.step("capyctl bench", f"capyctl bench --base-url {base_url} --model {served}"):
-            try:
-                report["bench"] = run_benchmark(endpoint, direct_config, log=lambda m: log.say(f"  bench: {m}"))
-            except BenchError as exc:
-                raise RecipeRunError(f"capyctl bench failed on the direct launch: {exc}", code="bench_failed") \
-                    from None
-        report["launch_command"] = {**command, "argv": proc.args}
-    finally:
-        peak = memory.stop()
-        stop_direct(proc)
-    report["memory"]["end"] = {"process_tree_rss_peak_bytes": peak}
-    report["steps"] = [s.as_dict() for s in log.steps[first_step:]]
-    report["finished_at"] = time.time()
-    return report
+        endpoints.append(direct.endpoint)
+        configs.append(dataclasses.replace(config, skip=config.skip | {"systemone", "wake"}))
+    argv = list((launch or {}).get("argv") or [])
+    engines = {"capyctl": unit_pid, **({"direct": direct.proc.pid} if direct else {})}
+    window = CpuWindow()
+    shown = f"capyctl bench --model {endpoint.model} --capyctl capyctl" + (
+        f" and --base-url {direct.endpoint.base_url}, turn by turn" if direct else "")
+    with log.step("capyctl bench", shown):
+        try:
+            benched = run_benchmarks(endpoints, configs, log=lambda m: log.say(f"  bench: {m}"))
+        except BenchError as exc:
+            raise RecipeRunError(f"capyctl bench failed: {exc}", code="bench_failed") from None
+    cpu = window.close(engines)
+    report["bench"] = benched[0]
+    report["bench"]["config"] = {**report["bench"]["config"], "skip": sorted(config.skip)}
+    runs = [report["run_id"]] + ([direct.report["run_id"]] if direct else [])
+    report["conditions"] = {"measured_with": runs[1:], "cpu": cpu, "engine": engine_facts(unit_pid, argv)}
+    if direct:
+        direct.report["bench"] = benched[1]
+        direct.report["conditions"] = {"measured_with": runs[:1], "cpu": cpu,
+                                       "engine": engine_facts(direct.proc.pid, list(direct.proc.args)),
+                                       "placed_beside_unit": direct.placed}
 
+
+class DirectLaunch:
+    """The engine launched directly with the unit's command line, beside the unit, up to its first
+    answer; its report is filled by bench_both and finished by stop().
+
+    It runs in a CPU cgroup beside the unit's (``capyctl-recipe-direct-<name>``, the same parent),
+    where the machine allows: the scheduler shares the CPU among sibling cgroups by weight, so from
+    the runner's own cgroup the engine got another share than the unit as soon as other work ran.
+    With about one core of other work on this 2-core machine, the same direct launch decoded at
+    23.6 tokens/s from the runner's cgroup (the root) and at 7.5 beside the unit, which got 4.9
+    (docs/benchmarks.md, "Recipes")."""
+
+    def __init__(self, recipe: Recipe, recipe_file: Path, options: RunOptions, machine: dict[str, Any],
+                 via_capyctl: dict[str, Any], command: dict[str, Any] | None, unit_pid: int | None,
+                 log: StepLog) -> None:
+        if not command:
+            raise RecipeRunError("the daemon did not report the engine's command line (capyctl inspect's "
+                                 "launch_command); it is older than this runner", code="direct_unsupported")
+        self.log, self.first_step, self.stopped = log, len(log.steps), False
+        report = _base(recipe, recipe_file, options, "direct", machine)
+        report.update(engine=via_capyctl["engine"], model=via_capyctl["model"], manifest=via_capyctl["manifest"])
+        self.report = report
+        out = options.out / "direct"
+        out.mkdir(parents=True, exist_ok=True)
+        task = str(recipe.deployment.get("task") or "generate")
+        t0 = time.perf_counter()
+        self.proc, port = launch_direct(command, out, options.timeout, log)
+        self.cgroups = cpu_cgroups_beside(unit_pid, f"capyctl-recipe-direct-{recipe.name}") if unit_pid else []
+        why_not = place_in(self.proc.pid, self.cgroups) if unit_pid else "the unit's engine is not on this machine"
+        # True, or why it stayed in the runner's cgroup (the comparison's conditions check then says so).
+        self.placed: bool | str = why_not or True
+        self.memory = _TreeMemory(self.proc.pid)
+        try:
+            base_url = f"http://127.0.0.1:{port}"
+            with log.step("wait until the engine serves", f"GET {base_url}/v1/models"):
+                served = wait_serving(base_url, self.proc, options.timeout, log)
+            report["timings"] = {"cold_ready_s": time.perf_counter() - t0}
+            self.endpoint = Endpoint(base_url, served, None, timeout=options.timeout)
+            with log.step("the first answer from the engine", f"POST {base_url}/v1/..."):
+                answer = first_answer(self.endpoint, task)
+            report["timings"].update(first_answer_s=answer["seconds"], first_token_s=answer["first_token_s"])
+            report["first_answer"] = answer
+            report["memory"] = {"ready": {"process_tree_rss_peak_bytes": self.memory.peak}}
+            report["launch_command"] = {**command, "argv": self.proc.args}
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        peak = self.memory.stop()
+        with self.log.step("stop the direct launch", f"kill -TERM -{self.proc.pid}"):
+            stop_direct(self.proc)
+        remove_cgroups(self.cgroups)
+        self.report.setdefault("memory", {})["end"] = {"process_tree_rss_peak_bytes": peak}
+        self.report["steps"] = [s.as_dict() for s in self.log.steps[self.first_step:]]
+        self.report["finished_at"] = time.time()

@@ -86,6 +86,22 @@ def test_llamacpp_recipe_quick_run_reports_every_field(capyhost, tmp_path: Path)
     assert direct["via"] == "direct" and "--api-key-file" not in direct["launch_command"]["argv"]
     assert direct["memory"]["end"]["process_tree_rss_peak_bytes"] > 10 * 2**20
     assert "systemone" not in direct["bench"] and direct["bench"]["latency"]["ttft_s"]["median"] > 0
+    # Both sides measured together, turn by turn, with the conditions of that window: the unit's
+    # engine found on this machine, and the same command line, threads and affinity on both.
+    assert report["conditions"]["measured_with"] == [direct["run_id"]]
+    assert direct["conditions"]["measured_with"] == [report["run_id"]]
+    assert report["conditions"]["cpu"] == direct["conditions"]["cpu"]
+    assert direct["bench"]["interleaved_with"] == [report["bench"]["base_url"]]
+    unit_engine, direct_engine = report["conditions"]["engine"], direct["conditions"]["engine"]
+    assert unit_engine["pid"] and direct_engine["pid"] and unit_engine["pid"] != direct_engine["pid"]
+    for key in ("argv", "threads_flag", "cpu_affinity", "nice", "thread_env"):
+        assert unit_engine[key] == direct_engine[key], key
+    assert set(report["conditions"]["cpu"]["engine_cores"]) == {"capyctl", "direct"}
+    # The direct launch ran in a CPU cgroup beside the unit's, so the scheduler shared the CPU alike.
+    assert direct["conditions"]["placed_beside_unit"] is True
+    assert direct_engine["cpu_cgroup"].rpartition("/")[0] == unit_engine["cpu_cgroup"].rpartition("/")[0]
+    assert direct_engine["cpu_cgroup"].endswith("/capyctl-recipe-direct-smollm2-llamacpp-chat")
+    assert "## Conditions" in markdown
 
     # One results-table row a measured point, for both reports.
     with results.open(newline="") as f:
@@ -107,6 +123,7 @@ def test_llamacpp_recipe_quick_run_reports_every_field(capyhost, tmp_path: Path)
     assert compared.returncode == 0, compared.stderr
     result = json.loads(compared.stdout)
     assert any("launched directly" in m for m in result["method"])
+    assert result["conditions"]["same"] is True, result["conditions"]
     cold = next(r for r in result["rows"] if (r["section"], r["metric"], r["statistic"]) ==
                 ("startup", "cold_ready", "value"))
     assert cold["ratios"][0] == pytest.approx(cold["values"][1] / cold["values"][0])

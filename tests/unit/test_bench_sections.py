@@ -352,3 +352,48 @@ def test_a_version_one_systemone_section_still_renders():
 ])
 def test_answers_are_graded_by_the_option_they_pick(expected, got, right):
     assert _core.systemone_answer_is_right(expected, got) is right
+
+
+# ---------------------------------------------------------------- endpoints measured together
+
+def test_interleave_sends_each_repetition_to_every_endpoint_in_turn_the_order_rotating():
+    a, b = Endpoint("http://a", "a"), Endpoint("http://b", "b")
+    calls: list[str] = []
+    results = _core.interleave([a, b], 3, lambda e: calls.append(e.model) or f"{e.model}{len(calls)}")
+    assert calls == ["a", "b", "b", "a", "a", "b"]  # A B, B A, A B: neither side always first
+    assert results == [["a1", "a4", "a5"], ["b2", "b3", "b6"]]
+    assert _core.interleave([a, b], 1, lambda e: e.model, start=1) == [["a"], ["b"]]
+
+
+def test_endpoints_measured_together_alternate_request_by_request(server, monkeypatch):
+    asked: list[str] = []
+    real = _core.stream_chat
+
+    def recording(endpoint, *args, **kwargs):
+        asked.append(endpoint.model)
+        return real(endpoint, *args, **kwargs)
+    monkeypatch.setattr(_core, "stream_chat", recording)
+    config = BenchConfig(runs=4, max_tokens=3, prompt_lengths=(8,), concurrency=(1,), concurrency_tokens=2,
+                         skip=frozenset({"systemone"}))
+    a, b = Endpoint(server.base_url, "a", timeout=10), Endpoint(server.base_url, "b", timeout=10)
+    ra, rb = _core.run_benchmarks([a, b], [config, config])
+    assert asked[:2] == ["a", "b"]  # the warm-ups
+    assert asked[2:10] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # latency: 4 runs each, in turn
+    for report, mine, other in ((ra, a, b), (rb, b, a)):
+        assert report["latency"]["decode_tokens_per_s"]["n"] == 4 and report["latency"]["completion_tokens"]["median"] == 3
+        assert [p["target_tokens"] for p in report["prompt_sweep"]] == [8]
+        assert report["concurrency"][0]["failed"] == 0
+        assert report["model"] == mine.model and report["interleaved_with"] == [other.base_url]
+
+
+def test_endpoints_measured_together_keep_their_own_sections_and_need_the_same_settings(server):
+    server.systemone["The user wrote: 'Please cancel my order and refund me.'"] = (200, {})
+    config = BenchConfig(runs=1, max_tokens=2, prompt_lengths=(8,), concurrency=(1,), systemone_runs=1,
+                         skip=frozenset({"prompt_sweep", "concurrency"}))
+    direct = BenchConfig(runs=1, max_tokens=2, prompt_lengths=(8,), concurrency=(1,), systemone_runs=1,
+                         skip=frozenset({"prompt_sweep", "concurrency", "systemone"}))
+    ra, rb = _core.run_benchmarks([_endpoint(server), _endpoint(server)], [config, direct])
+    assert "systemone" in ra and "systemone" not in rb and "latency" in ra and "latency" in rb
+    with pytest.raises(BenchError) as err:
+        _core.run_benchmarks([_endpoint(server), _endpoint(server)], [config, BenchConfig(runs=2)])
+    assert err.value.code == "invalid_config"

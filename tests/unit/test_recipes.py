@@ -789,3 +789,133 @@ def test_compare_of_capyctl_and_direct_is_not_called_a_settings_change(tmp_path:
     direct["bench"]["config"]["runs"] = 99
     result = compare([load_report(_write(base, tmp_path / "a")), load_report(_write(direct, tmp_path / "c"))])
     assert any("settings" in m for m in result["method"])
+
+
+# ---------------------------------------------------------------- 10. the conditions of a comparison
+
+def _conditions(run_with: str, *, other: float = 0.02, threads: str = "2",
+                cgroup: str = "/capyctl.slice/capyctl-r.service") -> dict[str, Any]:
+    argv = ["llama-server", "-m", "/m.gguf", "-t", threads, "--port", "1"]
+    return {"measured_with": [run_with],
+            "cpu": {"window": [1.0, 31.0], "window_s": 30.0, "load_before": [0.1, 0.2, 0.3],
+                    "load_after": [1.9, 0.6, 0.4], "cpus_usable": 2, "busy_cores": 1.9, "runner_cores": 0.05,
+                    "engine_cores": {"capyctl": 0.9, "direct": 0.9}, "other_cores": other, "top_other": []},
+            "engine": {"argv": argv[:-2], "threads_flag": threads, "tasks": 14, "cpu_affinity": [0, 1], "nice": 0,
+                       "cpu_cgroup": cgroup, "thread_env": {}}}
+
+
+def _pair(tmp_path: Path, **direct_changes: Any) -> list[dict[str, Any]]:
+    base = _fixture()
+    direct = copy.deepcopy(base)
+    base["run_id"], direct["run_id"], direct["via"] = "run-capyctl", "run-direct", "direct"
+    base["conditions"] = _conditions("run-direct")
+    direct_changes.setdefault("cgroup", "/capyctl.slice/capyctl-recipe-direct-r")
+    direct["conditions"] = _conditions(direct_changes.pop("measured_with", "run-capyctl"), **direct_changes)
+    return [load_report(_write(base, tmp_path / "a")), load_report(_write(direct, tmp_path / "b"))]
+
+
+def test_sides_measured_turn_by_turn_under_one_engine_setting_ran_under_the_same_conditions(tmp_path: Path) -> None:
+    result = compare(_pair(tmp_path))
+    assert result["conditions"] == {"same": True, "differences": [], "notes": []}
+    assert "**The reports ran under the same conditions.**" in render_comparison(result)
+
+
+@pytest.mark.parametrize(("changes", "said"), [
+    ({"threads": "1"}, "the engine's thread flag: '2' for R (capyctl), '1' for R (direct)"),
+    ({"measured_with": "run-elsewhere"}, "R (direct) was not measured turn by turn with R (capyctl)"),
+    ({"other": 0.9}, "other work on the machine: 0.02 cores during R (capyctl), 0.90 during R (direct)"),
+    ({"cgroup": "/"}, "the engine's CPU cgroup: under /capyctl.slice for R (capyctl), under / for R (direct)"),
+])
+def test_a_comparison_whose_sides_ran_under_different_conditions_says_so(tmp_path: Path, changes, said) -> None:
+    result = compare(_pair(tmp_path, **changes))
+    said = said.replace("R (", "smollm2-llamacpp-chat (")  # the fixture's recipe
+    assert result["conditions"]["same"] is False
+    assert any(d.startswith(said) for d in result["conditions"]["differences"]), result["conditions"]
+    text = render_comparison(result)
+    assert "**CONDITIONS DIFFER" in text and f"- differs: {said}" in text
+
+
+def test_reports_without_conditions_are_not_taken_for_like_with_like(tmp_path: Path) -> None:
+    a, b = _pair(tmp_path)
+    del b["conditions"]
+    result = compare([a, b])
+    assert result["conditions"]["same"] is False
+    assert result["conditions"]["differences"] == ["no conditions recorded (a run from before they were) for: "
+                                                   "smollm2-llamacpp-chat (direct)"]
+
+
+def test_a_busy_machine_is_noted_even_when_both_sides_shared_it(tmp_path: Path) -> None:
+    a, b = _pair(tmp_path)
+    a["conditions"]["cpu"]["other_cores"] = b["conditions"]["cpu"]["other_cores"] = 0.8
+    result = compare([a, b])["conditions"]
+    assert result["same"] is True and len(result["notes"]) == 1 and "smollm2-llamacpp-chat (capyctl) 0.80" in result["notes"][0]
+
+
+def test_engine_facts_compare_the_command_line_without_where_it_listens() -> None:
+    from capyctl.recipes._conditions import engine_facts
+    unit = engine_facts(None, ["llama-server", "-m", "/m", "--host", "/run/x.sock", "--port", "9", "-t", "2",
+                               "--api-key-file", "/run/credentials/k", "--slot-save-path", "/var/cache/e"])
+    direct = engine_facts(None, ["llama-server", "-m", "/m", "--host=127.0.0.1", "--port", "8", "-t", "2",
+                                 "--slot-save-path", "/tmp/s"])
+    assert unit["argv"] == direct["argv"] == ["llama-server", "-m", "/m", "-t", "2"]
+    assert unit["threads_flag"] == "2" and unit["pid"] is None
+
+
+def test_engine_facts_and_the_cpu_window_of_a_live_process() -> None:
+    import os
+
+    from capyctl.recipes._conditions import CpuWindow, engine_facts
+    window = CpuWindow()
+    sum(i * i for i in range(200_000))  # some CPU of this process's own
+    cpu = window.close({"me": os.getpid(), "gone": None})
+    assert cpu["engine_cores"]["gone"] is None and cpu["engine_cores"]["me"] >= 0
+    assert cpu["window_s"] > 0 and len(cpu["load_before"]) == 3 and cpu["other_cores"] >= 0
+    facts = engine_facts(os.getpid(), ["python", "--threads", "3"])
+    assert facts["threads_flag"] == "3" and facts["tasks"] >= 1
+    assert facts["cpu_affinity"] == sorted(os.sched_getaffinity(0)) and isinstance(facts["nice"], int)
+
+
+def test_the_unit_engine_is_found_by_its_cgroup_and_its_command_line(tmp_path: Path) -> None:
+    from capyctl.recipes._conditions import unit_main_pid
+
+    def proc(pid: int, cgroup: str, argv: list[str]) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_text(f"1:cpu:{cgroup}\n0::{cgroup}\n")
+        (tmp_path / str(pid) / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    argv = ["llama-server", "--port", "41000"]
+    proc(10, "/capysb-other/capyctl.slice/capyctl-r.service", ["llama-server", "--port", "42000"])
+    proc(11, "/capyctl.slice/capyctl-r.service", argv)
+    proc(12, "/user.slice", argv)
+    assert unit_main_pid("capyctl-r.service", argv, proc=tmp_path) == 11
+    assert unit_main_pid("capyctl-s.service", argv, proc=tmp_path) is None
+
+
+def _fake_proc(root: Path, mountinfo: str, cgroup: str) -> Path:
+    (root / "self").mkdir(parents=True)
+    (root / "self" / "mountinfo").write_text(mountinfo)
+    (root / "42").mkdir()
+    (root / "42" / "cgroup").write_text(cgroup)
+    return root
+
+
+def test_the_direct_launch_goes_beside_the_unit_in_the_v1_cpu_hierarchy(tmp_path: Path) -> None:
+    from capyctl.recipes._conditions import cpu_cgroups_beside
+    proc = _fake_proc(tmp_path, "32 31 0:29 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"
+                      "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
+                      "41 31 0:38 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n",
+                      "4:memory:/capysb-x/capyctl.slice/capyctl-r.service\n"
+                      "1:cpu:/capysb-x/capyctl.slice/capyctl-r.service\n0::/capysb-x/capyctl.slice/capyctl-r.service\n")
+    assert cpu_cgroups_beside(42, "d", proc=proc) == [Path("/sys/fs/cgroup/cpu/capysb-x/capyctl.slice/d")]
+    assert cpu_cgroups_beside(43, "d", proc=proc) == []  # no such process
+
+
+def test_the_direct_launch_goes_beside_the_unit_in_the_v2_tree(tmp_path: Path) -> None:
+    from capyctl.recipes._conditions import cpu_cgroups_beside, place_in
+    proc = _fake_proc(tmp_path / "proc", "30 23 0:26 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n",
+                      "0::/capyctl.slice/capyctl-r.service\n")
+    assert cpu_cgroups_beside(42, "d", proc=proc) == [Path("/sys/fs/cgroup/capyctl.slice/d")]
+    made = tmp_path / "cg" / "d"
+    (tmp_path / "cg").mkdir()
+    assert place_in(7, [made]) is None and (made / "cgroup.procs").read_text() == "7"
+    assert "could not put it in" in place_in(7, [tmp_path / "missing" / "d"])
+    assert place_in(7, []) == "no CPU cgroup hierarchy to put it in"
