@@ -1,9 +1,10 @@
 """Waking a parked deployment through CapyCTL against starting llama-server by hand.
 
-Baseline, measured in the same run: start the llama-server process (SmolLM2 135M, the
-arguments CapyCTL's llama.cpp adapter uses) and send a request as soon as it accepts one (the
-same request, a 16-word prompt no cache has seen, as the one sent through CapyCTL); the figure
-is process start → first token. CapyCTL: a sandboxed host (systemd as PID 1,
+Baseline, measured in the same run: start the llama-server process from the deployment's own
+unit command line (``capyctl inspect``'s launch_command, launched directly as ``capyctl recipe
+run`` does: no unit, no proxy, no key; the same threads the plan gave the unit) and send a request
+as soon as it accepts one (the same request, a 16-word prompt no cache has seen, as the one sent
+through CapyCTL); the figure is process start → first token. CapyCTL: a sandboxed host (systemd as PID 1,
 the daemon as capyctl.service, tests/integration/capyhost.py) with the same model deployed;
 park it (llama.cpp parks by stopping its engine; the park arms the next launch's unit, so the
 wake only opens its gate), then request → first token; and the same from stopped (cold: the
@@ -29,17 +30,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from capyctl.bench import BenchConfig, Control, Endpoint, make_prompt, stream_chat  # noqa: E402
 from capyctl.bench._core import _nonce, measure_wake  # noqa: E402
-from capyctl.engines.llamacpp import DEFAULT_CONTEXT  # noqa: E402
 from tests.integration.capyhost import CapyHost, free_port, llama_server_path, smollm2_path  # noqa: E402
 
 
-def manual_start_to_first_token(binary: str, model: str) -> float:
+def manual_start_to_first_token(launch_command: dict, scratch: Path) -> float:
+    """The unit's own command line run directly (as an operator would start the engine by hand):
+    until a request sent again at once gives its first token. It once ran its own arguments with a
+    thread per host core, while the unit runs the threads its cores allow: unlike things."""
+    from capyctl.recipes._runner import direct_argv
     port = free_port()
     endpoint = Endpoint(f"http://127.0.0.1:{port}", "smollm2", timeout=120)
+    scratch.mkdir(parents=True, exist_ok=True)
+    argv = direct_argv(list(launch_command["argv"]), port, scratch)
+    env = {**os.environ, **{k: str(v) for k, v in (launch_command.get("environment") or {}).items()}}
     started = time.perf_counter()
-    process = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--alias",
-                                "smollm2", "--jinja", "-c", str(DEFAULT_CONTEXT), "-t", str(os.cpu_count())],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # The request measure_wake sends through CapyCTL (capyctl/bench/_core.py, _first_token_after):
     # a 16-word prompt no cache has seen, 2 tokens. A shorter prompt here ("Hi.", as before) left
     # about 25 prompt tokens (some 100 ms on 2 cores) out of the baseline that CapyCTL's side paid.
@@ -88,8 +93,9 @@ def main() -> None:
         endpoint = Endpoint(host.base_url, "smollm2", host.create_key("--name", "bench"), timeout=300)
         control = Control(api_socket=str(host.api_socket))
         manual, parked, cold, warm = [], [], [], []
+        launch = host.cli_json("inspect", "deployment", "smollm2")["launch_command"]
         for _ in range(args.runs):
-            manual.append(manual_start_to_first_token(binary, model))
+            manual.append(manual_start_to_first_token(launch, host.root / "by-hand"))
             figures = measure_wake(endpoint, control, BenchConfig(wake_runs=1, ignore_eos=True))
             parked.append(figures["parked_ttft_s"]["median"])
             cold.append(figures["cold_ttft_s"]["median"])
