@@ -458,7 +458,7 @@ def answer_ceiling(scenario: dict[str, Any], own_start: float | None) -> float |
     one-model answers a restart swap can reach at most: batch / (batch + own start). None where
     a batch is the longer (0.5x is then the goal) or either is unknown."""
     batch = scenario.get("batch_s")
-    if batch is None or own_start is None or own_start <= batch:
+    if batch is None or batch <= 0 or own_start is None or own_start <= batch:  # (swaps that overlap: arrival)
         return None
     return batch / (batch + own_start)
 
