@@ -321,7 +321,10 @@ class _TreeMemory:
         return self.peak
 
 
-def launch_direct(command: dict[str, Any], out: Path, timeout: float, log: StepLog) -> tuple[subprocess.Popen, int]:
+def launch_direct(command: dict[str, Any], out: Path, timeout: float, log: StepLog,
+                  cpus: set[int] | None = None) -> tuple[subprocess.Popen, int]:
+    """The unit's command line run directly; ``cpus``: the CPUs it may run on (its unit's, where
+    the plan pinned the unit to cores of its own: docs/engines-and-parking.md, "Cores on CPU hosts")."""
     port = _free_port()
     scratch = out / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -329,8 +332,18 @@ def launch_direct(command: dict[str, Any], out: Path, timeout: float, log: StepL
     env = {**os.environ, **{k: str(v) for k, v in (command.get("environment") or {}).items()}}
     engine_log = (out / "engine.log").open("w")
     with log.step("launch the engine directly", " ".join(argv)):
-        proc = subprocess.Popen(argv, env=env, stdout=engine_log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, stdout=engine_log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     return proc, port
+
+
+def _affinity_of(pid: int | None) -> set[int] | None:
+    if pid is None:
+        return None
+    try:
+        return os.sched_getaffinity(pid)
+    except OSError:  # gone, or not ours to read: the direct launch runs where the runner does
+        return None
 
 
 def wait_serving(base_url: str, proc: subprocess.Popen, timeout: float, log: StepLog) -> str:
@@ -565,7 +578,8 @@ class DirectLaunch:
         out.mkdir(parents=True, exist_ok=True)
         task = str(recipe.deployment.get("task") or "generate")
         t0 = time.perf_counter()
-        self.proc, port = launch_direct(command, out, options.timeout, log)
+        # On the unit's CPUs: the same affinity is one of the conditions a comparison checks.
+        self.proc, port = launch_direct(command, out, options.timeout, log, cpus=_affinity_of(unit_pid))
         self.cgroups = cpu_cgroups_beside(unit_pid, f"capyctl-recipe-direct-{recipe.name}") if unit_pid else []
         why_not = place_in(self.proc.pid, self.cgroups) if unit_pid else "the unit's engine is not on this machine"
         # True, or why it stayed in the runner's cgroup (the comparison's conditions check then says so).
