@@ -49,6 +49,10 @@ GOAL_KV_VS_WARM = 1.3  # at most, against the same turn on the warm engine, afte
 # engine's own start by hand (a restart park cannot beat that start, longer than a warm turn).
 GOAL_KV_VS_WARM_PLUS_START = 1.0
 GOAL_KV_VS_NO_RESTORE = 3.0  # at least this many times faster than a wake without restore
+# Issue 47: vLLM's benchmark client and capyctl bench agree within this share on decode tokens/s and
+# time to first token, and both read CapyCTL at least this much of the direct launch (outside_client.py).
+GOAL_CLIENTS_AGREE = 0.05
+GOAL_CAPYCTL_VS_DIRECT = 0.95
 CONTENTION_COUNTS = ((2, "two"), (3, "three"))
 STREAM_COUNTS = (1, 8, 64)
 
@@ -453,6 +457,35 @@ def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, 
     return rows
 
 
+def outside_client_rows(outside: dict[str, Any] | None) -> list[Row]:
+    """capyctl bench and vLLM's client on CapyCTL and on the same engine launched by hand (issue 47):
+    how far the two clients' figures are apart (the worst of decode and first token, on either side),
+    and the lowest reading of CapyCTL against direct (either client, decode or first token)."""
+    m_agree, g_agree = "vLLM's client vs capyctl bench, decode and first token", f"within {GOAL_CLIENTS_AGREE:.0%}"
+    m_direct, g_direct = "CapyCTL vs direct, decode and first token, both clients", f">= {GOAL_CAPYCTL_VS_DIRECT:.2f}x"
+    summary = (outside or {}).get("summary")
+    if not summary:
+        why = (outside or {}).get("error") or "outside_client.py wrote no result"
+        return [Row(m_agree, why, g_agree, "n/a"), Row(m_direct, why, g_direct, "n/a")]
+    ours, theirs = summary["capyctl bench"], summary["vllm"]
+    apart = {f"{side} {what}": abs(theirs[side][key] / ours[side][key] - 1)
+             for side in ("capyctl", "direct") for what, key in (("decode", "decode_tokens_per_s"),
+                                                                 ("first token", "ttft_s"))}
+    worst_apart = max(apart, key=apart.__getitem__)
+    # Above 1, CapyCTL is the faster: decode CapyCTL / direct, first token direct / CapyCTL.
+    versus = {f"{client} {what}": (s["capyctl"]["decode_tokens_per_s"] / s["direct"]["decode_tokens_per_s"]
+                                   if what == "decode" else s["direct"]["ttft_s"] / s["capyctl"]["ttft_s"])
+              for client, s in (("capyctl bench", ours), ("vLLM's client", theirs)) for what in ("decode", "first token")}
+    worst_versus = min(versus, key=versus.__getitem__)
+    d = ours["capyctl"]
+    return [Row(m_agree, f"{apart[worst_apart]:.1%} apart at most ({worst_apart}); capyctl bench on CapyCTL "
+                         f"{d['decode_tokens_per_s']:.1f} tokens/s, first token {_ms(d['ttft_s'])}", g_agree,
+                judge(apart[worst_apart], GOAL_CLIENTS_AGREE, at_most=True), apart[worst_apart]),
+            Row(m_direct, f"{_x(versus[worst_versus])} at least ({worst_versus}); "
+                          + ", ".join(f"{k} {_x(v)}" for k, v in versus.items()), g_direct,
+                judge(versus[worst_versus], GOAL_CAPYCTL_VS_DIRECT, at_most=False), versus[worst_versus])]
+
+
 def answer_ceiling(scenario: dict[str, Any], own_start: float | None) -> float | None:
     """Where the engine's own start is longer than a batch takes to serve, the share of the
     one-model answers a restart swap can reach at most: batch / (batch + own start). None where
@@ -468,6 +501,7 @@ def evaluate(results: dict[str, Any]) -> list[Row]:
     pvn = results.get("proxy_vs_nginx")
     return [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale")),
             *contention_rows(results.get("contention")), *kv_park_rows(results.get("kv_park")),
+            *outside_client_rows(results.get("outside_client")),
             *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
 
 

@@ -90,8 +90,19 @@ def _kv_park(warm: float = 0.2, after_park: float = 0.25, no_restore: float = 9.
             "no_restore_vs_restore_after_wake": no_restore / after_park}
 
 
+def _outside(capy_decode: float = 80.0, direct_decode: float = 80.0, vllm_skew: float = 1.0,
+             capy_ttft: float = 0.25, direct_ttft: float = 0.25) -> dict:
+    """outside_client.py's summary: each client's medians on CapyCTL and on the direct launch;
+    vLLM's client reads decode ``vllm_skew`` times what capyctl bench reads."""
+    def side(decode: float, ttft: float, skew: float = 1.0) -> dict:
+        return {"ttft_s": ttft, "decode_tokens_per_s": decode * skew}
+    return {"summary": {"capyctl bench": {"capyctl": side(capy_decode, capy_ttft), "direct": side(direct_decode, direct_ttft)},
+                        "vllm": {"capyctl": side(capy_decode, capy_ttft, vllm_skew),
+                                 "direct": side(direct_decode, direct_ttft, vllm_skew)}}}
+
+
 def _results(**overrides) -> dict:
-    results = {"proxy_vs_nginx": _pvn(), "contention": _contention(), "kv_park": _kv_park(),
+    results = {"proxy_vs_nginx": _pvn(), "contention": _contention(), "kv_park": _kv_park(), "outside_client": _outside(),
                "wake_vs_manual": {"manual_s": [1.0, 1.1, 0.9], "parked_s": [1.05, 1.05, 1.05]},
                "daemon_scale": {"rss_few_bytes": 50 * MiB, "rss_after_bytes": 51 * MiB, "requests": 100_000,
                                 "concurrency": 32, "total_rps": 1000.0,
@@ -120,7 +131,9 @@ def test_every_row_of_the_issue_is_there_and_passes_within_its_goals():
                 "next turn (2000 tokens) after a park vs warm + own start, wake included",
                 "next turn after a park: without restore vs with, wake included",
                 "next turn (2000 tokens) after a park vs warm, after the wake",
-                "next turn after a park: without restore vs with, after the wake"]
+                "next turn after a park: without restore vs with, after the wake",
+                "vLLM's client vs capyctl bench, decode and first token",
+                "CapyCTL vs direct, decode and first token, both clients"]
     assert [m for m in rows if not m.startswith(("LiteLLM", "one hop")) and rows[m].status != "info"] == expected
     assert {r.status for m, r in rows.items() if m in expected} == {"PASS"}
     assert rows["added latency, median, 1-token chat"].ratio == pytest.approx(0.1e-3)
@@ -140,6 +153,20 @@ def test_a_wake_that_costs_more_than_the_turn_or_a_cache_that_saves_little_misse
     assert row.ratio == pytest.approx(1.0) and "600.00 ms vs 200.00 ms + 400.00 ms" in row.value
     missing = bs.kv_park_rows(None)
     assert [r.status for r in missing] == ["n/a"] * 4 and missing[0].value == "kv_park.py wrote no result"
+
+
+def test_clients_that_disagree_or_a_slower_capyctl_miss_at_their_bounds():
+    def rows(**kw):
+        return _by_measure(bs.outside_client_rows(_outside(**kw)))
+    agree, versus = "vLLM's client vs capyctl bench, decode and first token", "CapyCTL vs direct, decode and first token, both clients"
+    assert rows(vllm_skew=1.0499)[agree].status == "PASS"
+    apart = rows(vllm_skew=1.06)[agree]
+    assert apart.status == "MISS" and apart.ratio == pytest.approx(0.06) and "(capyctl decode)" in apart.value
+    assert rows(capy_decode=76.0)[versus].status == "PASS"  # 0.95x of 80
+    slow = rows(capy_ttft=0.3)[versus]  # direct / CapyCTL: 0.83
+    assert slow.status == "MISS" and slow.ratio == pytest.approx(0.25 / 0.3) and "(capyctl bench first token)" in slow.value
+    missing = bs.outside_client_rows({"error": "needs root"})
+    assert [(r.status, r.value) for r in missing] == [("n/a", "needs root")] * 2
 
 
 def test_the_floor_relay_is_named_beside_the_added_latency_when_it_was_measured():
@@ -188,7 +215,7 @@ def test_what_was_not_measured_is_n_a_with_the_reason():
     assert by["parked -> first token vs llama-server by hand"].status == "n/a"
     assert by["parked -> first token vs llama-server by hand"].value == "needs root"
     assert all(r.status == "n/a" for r in rows)
-    assert "0 PASS, 0 MISS, 26 not measured" in bs.render_table(rows)
+    assert "0 PASS, 0 MISS, 28 not measured" in bs.render_table(rows)
 
 
 def test_litellm_rows_say_where_capyctl_stands_or_why_not():
@@ -203,7 +230,7 @@ def test_litellm_rows_say_where_capyctl_stands_or_why_not():
 def test_the_table_prints_every_row_with_goal_and_verdict():
     text = bs.render_table(bs.evaluate(_results()))
     assert "<= 0.25 ms over direct" in text and ">= 0.99x direct" in text and "<= 1.10x" in text
-    assert text.splitlines()[-1] == "26 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
+    assert text.splitlines()[-1] == "28 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
 
 
 def test_scale_lists_every_deployment():
@@ -227,7 +254,7 @@ def test_main_writes_summary_and_chart(tmp_path, capsys):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     assert bs.main([str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["rows"]) == 30 and summary["rows"][0]["status"] == "PASS"
+    assert len(summary["rows"]) == 32 and summary["rows"][0]["status"] == "PASS"
     hop = next(r for r in summary["rows"] if r["measure"].startswith("one hop"))
     assert hop["value"] == "200 us vs nginx's 100 us (2.000x); proxy CPU 300 us/request"
     assert "| " not in capsys.readouterr().out.splitlines()[0]
