@@ -195,6 +195,17 @@ class Controller:
         registered = self.store.get_engine(spec.engine)
         return registered.type if registered else spec.engine
 
+    @staticmethod
+    def engine_connections_max(kind: str, spec: DeploymentSpec) -> int | None:
+        """The bound of ``kind``'s adapter on the proxy's connections to one engine of ``spec`` (proxy
+        Upstream.connections_max); None where it has none or the kind is none CapyCTL knows. From
+        the kind (engine_kind) rather than the registered engine: no second store read."""
+        from ..engines import adapter_for
+        try:
+            return adapter_for(kind, None).connections_max(spec)
+        except CapyError:
+            return None
+
     def adapter(self, spec: DeploymentSpec):
         from ..engines import adapter_for
         registered = self.store.get_engine(spec.engine)

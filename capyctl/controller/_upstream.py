@@ -51,8 +51,10 @@ class UpstreamCache:
         d = self._deployment
         launch = d.launch_id
         port, unix_socket = address
-        common = dict(deployment=d.name, host=d.host, api_key=d.key, engine=d.controller.engine_kind(d.spec),
+        kind = d.controller.engine_kind(d.spec)
+        common = dict(deployment=d.name, host=d.host, api_key=d.key, engine=kind,
                       capabilities=d.capabilities, served_model=d.served_model,
+                      connections_max=d.controller.engine_connections_max(kind, d.spec),
                       verdict=lambda: d.liveness.verdict(launch))
         if d.socket_path is not None:
             return Upstream(base_url=socket_base_url(d.name, launch or "none"), unix_socket=unix_socket, **common)

@@ -343,6 +343,11 @@ class EngineAdapter(ABC):
         """Whether the engine reports itself parked; None when the engine cannot tell."""
         return None
 
+    def connections_max(self, deployment: DeploymentSpec) -> int | None:
+        """The most connections the proxy may hold open at once to one engine of ``deployment``
+        (kept-alive idle ones included); None where the engine's server takes any number."""
+        return None
+
     def keeps_prompt_cache(self, deployment: DeploymentSpec) -> bool:
         """Whether a park by stopping can save this engine's prompt cache and its wake restore it."""
         return False

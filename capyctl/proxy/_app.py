@@ -44,6 +44,7 @@ from ._routes import (
     is_anthropic,
     routes_served,
 )
+from ._engine_limits import EngineConnectionLimits
 from ._engine_side import EngineConnectionError, EngineResponse, make_engine_pool
 from .connector import EngineConnector
 from .router import ModelEntry, Router, Upstream
@@ -113,6 +114,7 @@ class ProxyState:
     # per request so that a reload applies it; and whether the Router's acquire takes them at all.
     wait_progress: Callable[[], bool] = field(default=lambda: True)
     router_reports_progress: bool = False
+    engine_limits: EngineConnectionLimits = field(default_factory=EngineConnectionLimits)
 
 
 STATE = web.AppKey("capyctl_proxy_state", ProxyState)
@@ -840,6 +842,7 @@ class _AiohttpAnswer:
         self._response = response
         self.status = response.status
         self.content_type = response.content_type
+        self._on_close: Callable[[], None] | None = None
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self._response.headers.get(name, default)
@@ -855,6 +858,12 @@ class _AiohttpAnswer:
 
     def close(self) -> None:
         self._response.close()
+        if self._on_close is not None:
+            on_close, self._on_close = self._on_close, None
+            on_close()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        self._on_close = callback
 
 
 # What breaks an exchange with an engine, from either client.
@@ -867,6 +876,8 @@ async def _open_upstream(exchange: Exchange, upstream: Upstream, path: str,
     state = exchange.state
     headers = _upstream_headers(upstream, _content_type_of(payload))
     pool = exchange.pool
+    # At most the engine's bound of exchanges at once, so at most that many connections (_engine_limits).
+    release = await state.engine_limits.acquire(upstream)
     try:
         if isinstance(payload, bytes) and pool is not None:
             response: EngineResponse | _AiohttpAnswer = await pool.request(
@@ -882,7 +893,12 @@ async def _open_upstream(exchange: Exchange, upstream: Upstream, path: str,
                 method, upstream.base_url.rstrip("/") + path, data=payload if method == "POST" else None,
                 headers=headers, timeout=timeout))
     except _UPSTREAM_ERRORS as exc:
+        release()
         raise unreachable(upstream, exc) from exc
+    except BaseException:
+        release()
+        raise
+    response.on_close(release)
     if response.status in LAUNCH_KEY_REFUSED:
         response.close()
         raise launch_key_refused(upstream)

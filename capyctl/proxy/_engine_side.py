@@ -47,7 +47,7 @@ import functools
 import json
 import time
 import urllib.parse
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 try:
     import httptools
@@ -276,6 +276,7 @@ class EngineResponse:
         self._paused = False  # reading paused: more than BUFFER_HIGH waits, or the listener asked
         self._released = False
         self._deadline: asyncio.TimerHandle | None = None
+        self._on_close: Callable[[], None] | None = None
 
     def __repr__(self) -> str:
         return f"<EngineResponse {self.state.value} {self.status or ''}>"
@@ -359,6 +360,12 @@ class EngineResponse:
             self._pool.put_back(connection)
         else:
             connection.close()
+        if self._on_close is not None:
+            self._on_close()
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once this answer is closed and its connection back in the pool or closed."""
+        self._on_close = callback
 
     # ------------------------------------------------------------ told by its connection
 

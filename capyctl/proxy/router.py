@@ -46,6 +46,9 @@ class Upstream:
     # instead of a bare disconnect. None, or a callable answering None, when CapyCTL cut nothing.
     verdict: Callable[[], CapyError | None] | None = field(default=None, compare=False, repr=False)
     host: str = "local"  # the host its engine runs on (Router.engine_lost)
+    # The most connections the proxy may hold open to this engine at once, idle ones included
+    # (an engine that serves each connection on a thread of a fixed pool: llama-server); None: any.
+    connections_max: int | None = None
 
 
 # Seconds a wake (or cold start) took, from the request that asked for it to ready. Wide on the

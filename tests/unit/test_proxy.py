@@ -7,6 +7,7 @@ proxy runs on a real loopback socket through ``serve`` exactly as the daemon run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -57,8 +58,29 @@ class FakeOpenAI:
     status: int = 200
     body: bytes = b""
     top_logprobs: dict[str, list[dict]] = field(default_factory=dict)  # keyed by question kind
+    # Requests inside the engine at once (the most seen), and the connections they came on.
+    inside: int = 0
+    most_inside: int = 0
+    connections: set[int] = field(default_factory=set)
+    # When set, each request is held until this many are inside at once (or a moment has passed).
+    hold_until_inside: int | None = None
+    crowded: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.inside += 1
+        self.most_inside = max(self.most_inside, self.inside)
+        self.connections.add(id(request.transport))
+        try:
+            if self.hold_until_inside is not None:
+                if self.inside >= self.hold_until_inside:
+                    self.crowded.set()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.crowded.wait(), 0.2)
+            return await self.answer(request)
+        finally:
+            self.inside -= 1
+
+    async def answer(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.requests.append((request.path_qs, dict(request.headers), raw))
         if request.path == "/v1/chat/completions":
@@ -384,6 +406,26 @@ async def test_non_streaming_body_passes_through_with_tool_calls(setup: Setup, h
     assert headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"  # the launch key, never the client's
     assert json.loads(sent) == {**request, "model": "engine-name-a"}  # only "model" rewritten
     assert setup.router.in_flight == 0 and setup.router.released == 1
+
+
+async def test_an_engine_with_a_connection_bound_never_sees_more_connections(
+        setup: Setup, http: aiohttp.ClientSession) -> None:
+    # llama-server reads a connection only on a free thread of its pool (the adapter's
+    # connections_max says why): a burst past the bound waits in the proxy, and every one is answered.
+    setup.router.upstreams["model-bounded"] = Upstream("dep-bounded", setup.upstream_url, UPSTREAM_KEY, "llama.cpp",
+                                                       frozenset({"chat"}), connections_max=2)
+    setup.fake.body = b'{"ok": true}'
+    setup.fake.hold_until_inside = 3  # reached only if the proxy lets a third in
+
+    async def ask() -> int:
+        request = {"model": "model-bounded", "messages": [{"role": "user", "content": "hi"}]}
+        async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json=request) as response:
+            await response.read()
+            return response.status
+
+    assert await asyncio.gather(*(ask() for _ in range(8))) == [200] * 8
+    assert setup.fake.most_inside == 2 and len(setup.fake.connections) <= 2
+    assert setup.router.in_flight == 0
 
 
 async def test_bodies_the_standard_library_reads_are_read_and_rewritten_exactly(
