@@ -51,6 +51,25 @@ CAUSAL_LM_POOLING = "last"
 # (server_prompt_cache in tools/server/server-task.cpp, evicting the oldest past the limit), so
 # unplanned it lets one engine grow by 8 GiB that no ledger counts.
 CACHE_RAM_FLAGS = ("-cram", "--cache-ram")
+# llama-server serves each HTTP connection on a thread of a pool with --threads-http fixed threads
+# (default max(n_parallel + 4, cores - 1), n_parallel being -1 while the slots are automatic:
+# server_http_context::init, tools/server/server-http.cpp). It adds a thread only when none is idle
+# at the moment a connection is queued (ThreadPool::enqueue, vendor/cpp-httplib/httplib.cpp), and a
+# kept-alive connection holds its thread until it closes; so a burst of new connections beyond the
+# fixed threads can leave one unread until a kept-alive connection ends, seconds later. CapyCTL
+# sets the fixed threads, and the proxy opens at most HTTP_CONNECTIONS connections to one engine,
+# leaving HTTP_THREADS_FOR_DAEMON threads for the daemon's own calls (health, /slots, /metrics).
+# With a unified KV cache (the default with automatic slots), --cache-idle-slots (on by default
+# with --cache-ram) saves every idle slot to the RAM prompt cache and clears it whenever a task
+# starts (server-context.cpp, SERVER_TASK_TYPE_COMPLETION, TAG_IDLE_SLOT_CLEAR). Requests that
+# share a prefix (a system prompt, the slots restored after a park) then find it in one slot at
+# most, and the others prefill it again. Off, idle slots keep their prompts for the next requests
+# to match, a slot taken by LRU still goes to the RAM cache first (get_available_slot), and a full
+# KV cache purges idle slots one by one (try_clear_idle_slots).
+CACHE_IDLE_SLOTS_FLAGS = ("--cache-idle-slots", "--no-cache-idle-slots")
+THREADS_HTTP_FLAG = "--threads-http"
+HTTP_CONNECTIONS = 16
+HTTP_THREADS_FOR_DAEMON = 4
 # Without a manifest figure the cache holds two full contexts' KV: one conversation can be set
 # aside for another and come back without its prefill.
 CACHE_RAM_CONTEXTS = 2
@@ -182,6 +201,17 @@ class LlamaCppAdapter(EngineAdapter):
     def prompt_cache_ram(self, deployment: DeploymentSpec, model_path: str | None) -> int:
         return cache_ram_bytes(deployment, model_path)
 
+    def connections_max(self, deployment: DeploymentSpec) -> int | None:
+        given = flag_value(list(deployment.engine_args), THREADS_HTTP_FLAG)
+        if given is None:
+            return HTTP_CONNECTIONS
+        try:
+            threads = int(given)
+        except ValueError:
+            return 1  # llama-server refuses the launch anyway (common/arg.cpp parses an int)
+        # --threads-http below 1 is llama-server's default, which can be as few as 3 threads.
+        return max(1, threads - HTTP_THREADS_FOR_DAEMON)
+
     def default_cores(self, deployment: DeploymentSpec, model_bytes: int) -> int | None:
         return cores_for_weights(model_bytes)
 
@@ -284,6 +314,10 @@ class LlamaCppAdapter(EngineAdapter):
             argv += [POOLING_FLAG, CAUSAL_LM_POOLING]
         if task == "rerank" and not has_flag(extra, *RERANK_FLAGS):
             argv.append("--reranking")
+        if not has_flag(extra, *CACHE_IDLE_SLOTS_FLAGS):
+            argv.append("--no-cache-idle-slots")
+        if not has_flag(extra, THREADS_HTTP_FLAG):
+            argv += [THREADS_HTTP_FLAG, str(HTTP_CONNECTIONS + HTTP_THREADS_FOR_DAEMON)]
         if not has_flag(extra, *CACHE_RAM_FLAGS):
             argv += ["--cache-ram", str(cache_ram_bytes(ctx.deployment, ctx.model_path) // MIB)]
         if ctx.prompt_cache_dir is not None and self.keeps_prompt_cache(ctx.deployment):

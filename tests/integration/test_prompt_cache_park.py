@@ -99,6 +99,28 @@ def test_the_next_turn_after_a_wake_reuses_the_conversation(capyhost, smollm2):
     assert saved_files(capyhost) == []
 
 
+def test_requests_that_share_a_prefix_all_reuse_the_slots_restored_after_a_wake(capyhost, smollm2):
+    """A shared system prompt, several clients at once: every slot holding it is saved at the park
+    and restored at the wake, and each of the next requests at once takes it from a slot of its
+    own (llama-server started with --no-cache-idle-slots: llamacpp.py says why)."""
+    import concurrent.futures
+    client = deploy(capyhost, smollm2)
+    slots = 4  # llama-server's automatic slot count with a unified KV cache (server-context.cpp)
+    shared = [{"role": "system", "content": LONG_TEXT[:1200]}]
+
+    def ask(i: int) -> int:
+        return turn(client, shared + [{"role": "user", "content": f"Question {i}: which pond?"}])[1]
+
+    with concurrent.futures.ThreadPoolExecutor(slots) as pool:
+        list(pool.map(ask, range(slots)))  # each slot now holds the shared prefix
+        capyhost.cli("park", "deployment", "smollm2")
+        saved = prompt_cache(capyhost)
+        assert saved["state"] == "saved" and len(saved["files"]) == slots, saved
+        cached = list(pool.map(ask, range(slots, 2 * slots)))  # the first of them wakes it
+    assert prompt_cache(capyhost)["state"] == "restored"
+    assert min(cached) > 200, f"prompt tokens each request took from a restored slot: {cached}"
+
+
 def test_a_wake_without_the_cache_prefills_again(capyhost, smollm2):
     """The control: keep_across_park off, the same turn after a wake takes nothing from a cache."""
     manifest = capyhost.write_manifest(
@@ -140,12 +162,13 @@ def distinct_prompt(k: int) -> list[dict]:
 
 def fill_the_prompt_cache(host: CapyHost, engine_args: str, prompts: int) -> tuple[str, str]:
     """Deploy under MemoryMax=320M (-c 2048), send ``prompts`` distinct long prompts one after
-    another: with llama-server's --cache-idle-slots (on by default) each new task moves the idle
-    slots into its host-RAM prompt cache (server-context.cpp), so each prompt adds its KV state
-    there until the cache's limit. Returns the engine's MainPID before and after."""
+    another: with --cache-idle-slots (llama-server's default, which CapyCTL turns off: llamacpp.py)
+    each new task moves the idle slots into its host-RAM prompt cache (server-context.cpp), so each
+    prompt adds its KV state there until the cache's limit; without it the first prompts would
+    only fill empty slots. Returns the engine's MainPID before and after."""
     manifest = host.write_manifest(
         "smollm2", f"name: smollm2\nengine: llama\nmodel: {{path: {host_model(host)}}}\n"
-        f"resources: {{ram: 320MiB}}\nengine_args: [-c, '2048'{engine_args}]\n")
+        f"resources: {{ram: 320MiB}}\nengine_args: [-c, '2048', --cache-idle-slots{engine_args}]\n")
     host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=300)
     unit = "capyctl-smollm2.service"

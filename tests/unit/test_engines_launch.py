@@ -85,6 +85,32 @@ def test_llama_server_offloads_all_layers_on_gpus_and_respects_user_flags():
     assert "embeddings" in caps and "systemone" not in caps
 
 
+def test_llama_server_gets_fixed_http_threads_and_the_proxy_opens_fewer_connections():
+    # llama-server's HTTP threads hold one kept-alive connection each (tools/server/server-http.cpp):
+    # the proxy's bound leaves HTTP_THREADS_FOR_DAEMON of them to the daemon's own calls.
+    from capyctl.engines.llamacpp import HTTP_CONNECTIONS, HTTP_THREADS_FOR_DAEMON
+    adapter = adapter_for("llama.cpp")
+    plan = adapter.build_launch(ctx("llama.cpp"))
+    assert flag_value(plan.argv, "--threads-http") == str(HTTP_CONNECTIONS + HTTP_THREADS_FOR_DAEMON)
+    assert adapter.connections_max(deployment(engine="llama.cpp")) == HTTP_CONNECTIONS
+    mine = deployment(engine="llama.cpp", engine_args=["--threads-http", "10"])
+    plan = adapter.build_launch(ctx("llama.cpp", dep=mine))
+    assert plan.argv.count("--threads-http") == 1 and flag_value(plan.argv, "--threads-http") == "10"
+    assert adapter.connections_max(mine) == 10 - HTTP_THREADS_FOR_DAEMON
+    for few in ("2", "-1", "--threads-http=3"):
+        args = [few] if few.startswith("--") else ["--threads-http", few]
+        assert adapter.connections_max(deployment(engine="llama.cpp", engine_args=args)) == 1
+    assert adapter_for("vllm").connections_max(deployment()) is None  # uvicorn takes any number
+
+
+def test_llama_server_keeps_idle_slots_unless_told_otherwise():
+    adapter = adapter_for("llama.cpp")
+    assert "--no-cache-idle-slots" in adapter.build_launch(ctx("llama.cpp")).argv
+    mine = deployment(engine="llama.cpp", engine_args=["--cache-idle-slots"])
+    argv = adapter.build_launch(ctx("llama.cpp", dep=mine)).argv
+    assert "--no-cache-idle-slots" not in argv and argv.count("--cache-idle-slots") == 1
+
+
 def test_vllm_argv_with_sleep_mode_and_tensor_parallel():
     dep = deployment(tensor_parallel=2, resources={"gpus": 2}, env={"HF_HOME": "/cache"})
     plan = adapter_for("vllm").build_launch(ctx("vllm", dep=dep, gpus=[0, 1]))
