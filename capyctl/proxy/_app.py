@@ -175,7 +175,10 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
     finally:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
-        exchange: Exchange | None = request.get(_EXCHANGE)
+        # (Taken out of the request: the request and its Exchange point at each other, and reference
+        # counting frees them as the answer ends only once that cycle is broken, not the cycle
+        # collector some generations later, which let a busy daemon's memory creep up.)
+        exchange: Exchange | None = request.pop(_EXCHANGE, None)
         outcome = exchange.outcome if exchange is not None else None
         request.app[STATE].metrics.record(deployment=exchange.deployment if exchange is not None else "",
                                           route=route, status=status if outcome is None else outcome,
