@@ -358,7 +358,8 @@ class Door:
             async def converse(parts: tuple[bytes, ...]) -> Conversation:
                 async with at_once:
                     return await _converse(self.port, parts)
-            talks = [converse(parts if split else (b"".join(parts),)) for parts in cases.values() for split in WAYS]
+            talks = [converse(parts if split else (b"".join(parts),))
+                     for parts in cases.values() for split in WAYS.values()]
             return await asyncio.wait_for(asyncio.gather(*talks), HANG_GUARD_S)
         heard = iter(self.runner.run(go()))
         return {case: {way: next(heard) for way in WAYS} for case in cases}
@@ -396,7 +397,120 @@ def ways(one_write: tuple, split: tuple) -> dict[str, tuple]:
 
 
 EXPECTED: dict[str, tuple | dict[str, tuple]] = {
-    # FILLED IN BELOW
+    "baseline-post-then-get": said(WAKE, OK),
+    "baseline-models": said(OK),
+    "baseline-post-with-query": said(WAKE, OK),
+    "baseline-connection-close": said(WAKE, closed=True),
+    "baseline-128-headers": said(WAKE, OK),
+    # These two, sent in one write: a request with "Connection: close" and one behind it in one
+    # read. llhttp (strict for requests) refuses data after a message that closes the connection, and aiohttp's
+    # server answers that read's error alone, so the first request, valid as it is, gets the 400
+    # too (aiohttp/_http_parser.pyx feed_data, "Data after `Connection: close`"; web_protocol.py
+    # RequestHandler.data_received replaces the read's messages with one 400). The front, before
+    # issue 45, answered the first and closed: a request a client sends after its own close is
+    # never answered either way.
+    "connection-close-then-pipelined": ways(REFUSED, said(WAKE, closed=True)),
+    "connection-close-get-then-pipelined": ways(REFUSED, said(OK, closed=True)),
+    "cl-cl-same": REFUSED,
+    "cl-cl-different": REFUSED,
+    "cl-cl-comma-list": REFUSED,
+    "cl-te": REFUSED,
+    "te-cl": REFUSED,
+    "te-chunked-alone": said(WAKE, OK),
+    "te-te-two-headers": REFUSED,
+    "te-leading-space": REFUSED,
+    "te-chunked-identity": REFUSED,
+    "te-identity-chunked": REFUSED,
+    "te-xchunked": REFUSED,
+    "te-capital-chunked": REFUSED,
+    "te-tab-before-value": REFUSED,
+    "te-space-before-colon": REFUSED,
+    "te-obs-folded-value": REFUSED,
+    "te-on-obs-folded-line": REFUSED,
+    "te-vertical-tab": REFUSED,
+    "obs-fold-plain-header": REFUSED,
+    "obs-fold-authorization": REFUSED,
+    "obs-fold-content-length": REFUSED,
+    "obs-fold-first-header": REFUSED,
+    "obs-fold-get": REFUSED,
+    "bare-lf-everywhere": REFUSED,
+    "bare-lf-everywhere-get": REFUSED,
+    "bare-lf-alone": REFUSED,
+    "bare-lf-alone-post": REFUSED,
+    "head-ends-crlf-lf-alone": REFUSED,
+    "bare-lf-one-header": REFUSED,
+    "bare-lf-request-line": REFUSED,
+    "bare-cr-in-header": REFUSED,
+    "bare-cr-line-end": REFUSED,
+    "head-ends-crlf-lf": REFUSED,
+    "get-head-ends-crlf-lf": REFUSED,
+    "nul-in-header-value": REFUSED,
+    "nul-in-authorization": REFUSED,
+    "nul-in-target": REFUSED,
+    "nul-in-query": REFUSED,
+    "nul-in-header-name": REFUSED,
+    "del-in-header-value": REFUSED,
+    "high-bytes-in-header-value": said(WAKE, OK),
+    "high-bytes-in-query": REFUSED,
+    "two-hosts-same": REFUSED,
+    "two-hosts-different": REFUSED,
+    "no-host": REFUSED,
+    "no-host-get": REFUSED,
+    "empty-host": said(WAKE, OK),
+    "two-content-types": REFUSED,
+    "two-user-agents": REFUSED,
+    "two-user-agents-get": REFUSED,
+    "two-authorizations": said(WAKE, OK),
+    "two-authorizations-other-second": said(WAKE, OK),
+    "two-connection-headers": said(WAKE, closed=True),
+    "sec-websocket-key1": REFUSED,
+    "129-headers": REFUSED,
+    "http10-no-keepalive": ways(REFUSED, said(WAKE, closed=True)),
+    "http10-keepalive": said(WAKE, OK),
+    "http10-get-keepalive": said(OK, OK),
+    "http10-no-host": ways(REFUSED, said(WAKE, closed=True)),
+    "http2-version": ways(REFUSED, said(WAKE, closed=True)),
+    "expect-100-continue": said((100, None), WAKE, OK),
+    "expect-unknown": said((417, None), OK),
+    "upgrade-websocket": said(OK, OK),
+    "upgrade-h2c": ways(said(OK), said(OK, OK)),
+    "upgrade-h2c-post": ways(said(WAKE), said(WAKE, OK)),
+    "upgrade-without-connection": said(WAKE, OK),
+    "pipeline-key-changed": said(WAKE, (404, "model_not_found"), WAKE),
+    "pipeline-key-unknown": said(WAKE, (401, "invalid_api_key"), WAKE),
+    "pipeline-key-dropped": said(WAKE, (401, "invalid_api_key"), WAKE),
+    "pipeline-three-gets": said(OK, OK, OK),
+    "cl-plus": REFUSED,
+    "cl-minus-one": REFUSED,
+    "cl-leading-space": said(WAKE, OK),
+    "cl-trailing-space": said(WAKE, OK),
+    "cl-leading-zeros": said(WAKE, OK),
+    "cl-hex": REFUSED,
+    "cl-two-numbers": REFUSED,
+    "cl-empty": REFUSED,
+    "cl-huge": REFUSED,
+    # Sent in one write, the bytes past the Content-Length begin no request ('el":"m",...}GET'):
+    # aiohttp's parser refuses the read (BadHttpMethod, aiohttp/_http_parser.pyx) and its server
+    # answers its 400 alone (web_protocol.py RequestHandler.data_received), not the first request's
+    # 400 invalid_json before it, which the front answered before handing the rest to aiohttp.
+    "cl-shorter-than-body": ways(REFUSED, said((400, "invalid_json"), (400, None), closed=True)),
+    "cl-over-max-body": said((413, "request_too_large")),
+    "get-with-body": said(OK, OK),
+    "header-value-at-limit": said(WAKE, OK),
+    "header-value-past-limit": REFUSED,
+    "get-header-value-past-limit": REFUSED,
+    "first-header-at-limit": said(WAKE, OK),
+    "first-header-past-limit": REFUSED,
+    "target-at-line-limit": said(OK, OK),
+    "target-past-line-limit": REFUSED,
+    "head-over-8190-in-small-headers": said(WAKE, OK),
+    "lowercase-method": REFUSED,
+    "absolute-form-target": said(OK, OK),
+    "two-spaces-in-request-line": said(WAKE, OK),
+    "leading-empty-line": said(WAKE, OK),
+    "fragment-in-target": said(OK, OK),
+    "garbage-then-request": REFUSED,
+    "garbage-alone": REFUSED,
 }
 
 
