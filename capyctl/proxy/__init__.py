@@ -5,7 +5,8 @@ the key types (:class:`KeyVerifier`, :class:`KeyGrant`, :class:`StaticKeys`) and
 Router protocol the controller implements (:mod:`capyctl.proxy.router`).
 """
 
-from ._app import MiB, build_app, metrics_text
+from ._app import build_app, metrics_text
+from ._exchange import MiB
 from ._keys import KeyGrant, KeyVerifier, StaticKeys, token_digest
 from ._sockets import listen_sockets_from_systemd, serve
 from .router import ModelEntry, Router, Upstream

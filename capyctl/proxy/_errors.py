@@ -28,7 +28,7 @@ def error_body(error: CapyError, *, param: str | None = None) -> dict:
                       "code": error.code, "param": param}}
 
 
-# What aiohttp's json/text responses say; the fast front writes the same.
+# What aiohttp's json/text responses say.
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
 
 

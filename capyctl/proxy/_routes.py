@@ -30,7 +30,7 @@ JSON_ROUTES: dict[str, str] = {
 }
 
 # The JSON routes whose answer is an event stream when the body asks "stream": true; while such a
-# request waits for admission it is sent SSE comments (_app.WaitProgress).
+# request waits for admission it is sent SSE comments (_relay.WaitProgress).
 STREAMING_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 
 # multipart/form-data POST routes: the ``model`` form field selects the deployment.

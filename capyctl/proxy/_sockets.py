@@ -11,10 +11,20 @@ from aiohttp import web
 from aiohttp.log import access_logger
 
 from ..errors import CapyError
-from ._app import STATE
-from . import _client_side
 
 SD_LISTEN_FDS_START = 3
+# Idle kept-alive client connections are closed after this long (aiohttp's own default,
+# RequestHandler's keepalive_timeout in aiohttp/web_protocol.py, is about an hour).
+KEEPALIVE_S = 75.0
+# aiohttp's server is the one HTTP/1.1 parser facing clients; its limits on a request head, set
+# here so that they are stated, not inherited: a request line and a header line (name and value,
+# for the first header; the value alone for the others: aiohttp/_http_parser.pyx,
+# cb_on_header_field and cb_on_header_value) of at most HEAD_LINE_MAX bytes, at most HEADERS_MAX
+# header lines; past them, aiohttp's parser refuses the head (400, connection closed). These are
+# aiohttp's own defaults (RequestHandler, aiohttp/web_protocol.py). The body's limit is the app's
+# client_max_size (build_app's max_body).
+HEAD_LINE_MAX = 8190
+HEADERS_MAX = 128
 
 
 def listen_sockets_from_systemd(names: Sequence[str] = ("openai", "api"), *,
@@ -68,8 +78,9 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
                 host_port: str | None = None, shutdown_timeout: float = 10.0) -> web.AppRunner:
     """Start serving ``app`` on a passed socket or on HOST:PORT; the caller cleans the runner up.
 
-    Handlers are cancelled when their client disconnects (handler_cancellation), which is
-    how a client that goes away leaves its queue slot and stops its upstream request.
+    aiohttp's web server reads every request. Handlers are cancelled when their client
+    disconnects (handler_cancellation), which is how a client that goes away leaves its queue
+    slot and stops its upstream request.
     """
     if (sock is None) == (host_port is None):
         raise CapyError("Give either a socket or a HOST:PORT to serve on.", code="invalid_listen_address",
@@ -78,18 +89,18 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
     # the daemon's INFO logging), a cost on every request for what /metrics already counts.
     # CAPYCTL_ACCESS_LOG=1 turns it on for debugging.
     access_log = access_logger if os.environ.get("CAPYCTL_ACCESS_LOG") == "1" else None
-    # Idle kept-alive connections close after KEEPALIVE_S in aiohttp's server as in the front.
+    # (Its keyword arguments reach each connection's RequestHandler: aiohttp/web_runner.py
+    # AppRunner._make_server, then web_app.py Application._make_handler and web_server.py Server.)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
-                           access_log=access_log, keepalive_timeout=_client_side.KEEPALIVE_S)
+                           access_log=access_log, keepalive_timeout=KEEPALIVE_S, max_line_size=HEAD_LINE_MAX,
+                           max_field_size=HEAD_LINE_MAX, max_headers=HEADERS_MAX)
     await runner.setup()
     try:
-        host, port = _split_host_port(host_port or "") if sock is None else ("", 0)
         site: web.BaseSite
-        if STATE in app:  # the proxy: its connections are the front's (_client_side), capped
-            site = _client_side.FrontSite(runner, sock=sock, host=host, port=port, shutdown_timeout=shutdown_timeout)
-        elif sock is not None:
+        if sock is not None:
             site = web.SockSite(runner, sock)
         else:
+            host, port = _split_host_port(host_port or "")
             site = web.TCPSite(runner, host, port)
         await site.start()
     except BaseException:

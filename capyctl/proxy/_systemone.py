@@ -1,5 +1,5 @@
-"""/v1/systemone: request validation, answers computed from token log-probabilities, and the
-mapping onto TensorFold's /v1/decisions (end of this file).
+"""/v1/systemone: request validation, answers computed from token log-probabilities, the
+mapping onto TensorFold's /v1/decisions, and the route itself (:func:`answer`, end of this file).
 
 The response follows the native llama-server / TypeSafe shape exactly, so a client
 sees the same thing whether an engine answers natively or CapyCTL answers from
@@ -10,14 +10,22 @@ expected index, and ``confidence`` uses TypeSafe's published formulas
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import string
 from typing import Annotated, Any, Literal, Mapping, Sequence, Union
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import CapyError
+from ._exchange import Exchange
+from ._intake import model_entry, model_not_found, parse_body, payload_for
+from ._keys import KeyGrant
+from ._relay import forward
+from ._upstream import json_of, open_upstream
+from .router import Upstream
 
 JsonText = Union[str, dict[str, Any], list[Any]]
 TOP_LOGPROBS = 20
@@ -339,3 +347,90 @@ def from_decisions_response(request: SystemOneRequest, body: Any) -> dict[str, A
     return {"model": request.model, "answers": out,
             "usage": {"input_tokens": int(usage.get("prompt_tokens") or 0),
                       "output_tokens": int(usage.get("completion_tokens") or 0)}}
+
+
+# ---------------------------------------------------------------- the route
+
+# Questions of one /v1/systemone request asked at the same time (engines have a few slots).
+SYSTEMONE_PARALLEL = 4
+
+
+async def answer(exchange: Exchange, grant: KeyGrant | None, raw: bytes) -> web.StreamResponse:
+    """POST /v1/systemone, its key checked and its body read: passed on to an engine that answers
+    it natively, or answered here from TensorFold's /v1/decisions or from token log-probabilities."""
+    body, model = parse_body(raw)
+    model_entry(exchange, grant, model)
+    parsed = validate_request(body)  # before admission: a bad request wakes nothing
+    try:
+        async with exchange.state.router.acquire(model) as upstream:
+            exchange.deployment = upstream.deployment
+            if "systemone" in upstream.capabilities:
+                await forward(exchange, upstream, "/v1/systemone", payload_for(upstream, raw, body, model))
+                return exchange.answer()
+            if "decisions" in upstream.capabilities:  # TensorFold: the same questions, its own shape
+                check_decidable(parsed)
+                return web.json_response(await _answer_from_decisions(exchange, upstream, parsed))
+            if "logprobs" in upstream.capabilities:
+                check_answerable(parsed)
+                return web.json_response(await _answer_from_logprobs(exchange, upstream, parsed))
+            raise CapyError(f"The engine of '{model}' answers neither /v1/systemone nor token "
+                            "log-probabilities.", code="systemone_unsupported", status=400)
+    except CapyError as err:
+        if err.code == "model_not_found":
+            raise model_not_found(model) from None
+        raise
+
+
+async def _answer_from_decisions(exchange: Exchange, upstream: Upstream, parsed: SystemOneRequest) -> dict[str, Any]:
+    """One POST /v1/decisions for every question, its answer translated back."""
+    payload = decisions_request(parsed, upstream.served_model or parsed.model)
+    upstream_response = await open_upstream(exchange, upstream, "/v1/decisions", json.dumps(payload).encode())
+    answered = await json_of(upstream, upstream_response)
+    if upstream_response.status == 200:
+        return from_decisions_response(parsed, answered)
+    error = answered.get("error") if isinstance(answered, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    if upstream_response.status == 400 and isinstance(message, str):
+        # TensorFold refuses what its tokenizer or context cannot score, and engines without
+        # label scoring, with 400 and a sentence (docs/api.md "Decisions"): pass the sentence on.
+        raise CapyError(f"The engine of '{upstream.deployment}' cannot answer this request: {message}",
+                        code="systemone_unsupported", status=400)
+    raise CapyError(f"The engine of '{upstream.deployment}' answered {upstream_response.status} to /v1/decisions: "
+                    f"{json.dumps(error)[:300]}", code="engine_error", status=502)
+
+
+async def _answer_from_logprobs(exchange: Exchange, upstream: Upstream, parsed: SystemOneRequest) -> dict[str, Any]:
+    """Ask each question as a one-token chat completion and read the option tokens' probabilities."""
+    gate = asyncio.Semaphore(SYSTEMONE_PARALLEL)
+    usage = {"input_tokens": 0, "output_tokens": 0}
+
+    async def ask(question) -> dict[str, Any]:
+        payload = {
+            "model": upstream.served_model or parsed.model,
+            "messages": build_messages(parsed.state, question),
+            "max_tokens": 1, "temperature": 0, "stream": False,
+            "logprobs": True, "top_logprobs": TOP_LOGPROBS,
+        }
+        async with gate:
+            upstream_response = await open_upstream(exchange, upstream, "/v1/chat/completions",
+                                                    json.dumps(payload).encode())
+            completion = await json_of(upstream, upstream_response)
+        if upstream_response.status != 200 or not isinstance(completion, dict):
+            detail = completion.get("error") if isinstance(completion, dict) else None
+            raise CapyError(f"The engine of '{upstream.deployment}' answered {upstream_response.status} to a "
+                            f"log-probability request: {json.dumps(detail)[:300]}", code="engine_error",
+                            status=502)
+        counts = completion.get("usage") or {}
+        usage["input_tokens"] += int(counts.get("prompt_tokens", 0))
+        usage["output_tokens"] += int(counts.get("completion_tokens", 0))
+        return format_answer(question, option_probabilities(question, top_logprobs_of(completion)))
+
+    try:
+        async with asyncio.TaskGroup() as group:  # one failure cancels the other questions
+            tasks = {qid: group.create_task(ask(question)) for qid, question in parsed.questions.items()}
+    except ExceptionGroup as failures:
+        # The client gets one error: the first CapyError, else the first failure as it is.
+        first = next((exc for exc in failures.exceptions if isinstance(exc, CapyError)), failures.exceptions[0])
+        raise first from None
+    return {"model": parsed.model, "answers": {qid: task.result() for qid, task in tasks.items()},
+            "usage": usage}

@@ -1,9 +1,9 @@
 """Fuzzing the proxy (hypothesis): random methods, paths, headers and bodies.
 
-The proxy runs as the daemon serves it (``serve``), once with its front and once on aiohttp's
-server alone (CAPYCTL_PROXY_FRONT=aiohttp), with a fake Router (the controller is not under
-test). Its one model cannot be woken: admission answers the documented 503 ``wake_failed``,
-so every request that passes validation ends there, and no engine is needed. Asserted: no
+The proxy runs as the daemon serves it (``serve``: aiohttp's server, its limits as the daemon
+sets them), with a fake Router (the controller is not under test). Its one model cannot be
+woken: admission answers the documented 503 ``wake_failed``, so every request that passes
+validation ends there, and no engine is needed. Asserted: no
 5xx other than that 503, every error in the OpenAI shape with a stable code, and admission
 never asked for a request the proxy should have refused first.
 """
@@ -85,10 +85,8 @@ class Proxy:
         self.runner.close()
 
 
-@pytest.fixture(params=["front", "aiohttp-server"])
-def proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    if request.param == "aiohttp-server":
-        monkeypatch.setenv("CAPYCTL_PROXY_FRONT", "aiohttp")
+@pytest.fixture
+def proxy():
     instance = Proxy()
     yield instance
     instance.close()

@@ -181,5 +181,31 @@ def test_the_proxy_package_has_no_import_cycle():
             reach(target, seen)
         return seen
     assert [module for module in sorted(graph) if module in reach(module, set())] == []
-    # The client side sits on the engine side, never the other way.
-    assert "_client_side" not in reach("_engine_side", set()) and "_client_heads" not in reach("_engine_side", set())
+    # Layers point down: the aiohttp wiring (_app) on intake, the relay and /v1/systemone; those on
+    # the engine exchange (_upstream) and the request's state (_exchange); the engine client under all.
+    assert reach("_engine_side", set()) <= {"connector"}
+    for below in ("_exchange", "_intake", "_relay", "_upstream", "_systemone", "_sockets"):
+        assert "_app" not in reach(below, set()), below
+    assert "_intake" not in reach("_relay", set()) and "_relay" not in reach("_intake", set())
+
+
+def test_no_module_of_the_proxy_imports_another_ones_private_names():
+    imported = []
+    for path in sorted(PROXY.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                imported += [f"{path.name}: {alias.name} from {node.module}" for alias in node.names
+                             if node.module and alias.name.startswith("_")]
+    assert imported == []
+
+
+# _engine_side.py (the proxy's own engine client) is kept as it is until issue 45's measurement
+# decides whether it stays (against aiohttp's client, docs/benchmarks.md): it is then either deleted
+# or split, and leaves this list.
+PROXY_FILE_LINES_MAX, PROXY_FILES_AWAITING_A_DECISION = 500, {"_engine_side.py"}
+
+
+def test_no_file_of_the_proxy_is_over_500_lines():
+    long = {path.name: n for path in PROXY.glob("*.py")
+            if (n := len(path.read_text().splitlines())) > PROXY_FILE_LINES_MAX}
+    assert set(long) <= PROXY_FILES_AWAITING_A_DECISION, long

@@ -223,15 +223,11 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://{host}:{port}"
 
 
-# Clients are served by the proxy's front (httptools) or by aiohttp's server (CAPYCTL_PROXY_FRONT=aiohttp,
-# and always where httptools is missing); engines are reached through the proxy's own client
-# (httptools) or aiohttp's (where httptools is missing): every test here runs with each pairing
-# that can happen.
-@pytest.fixture(params=["front", "aiohttp-server", "aiohttp-both"])
+# Clients are served by aiohttp's server; engines are reached through the proxy's own client
+# (httptools) or aiohttp's (where httptools is missing): every test here runs with each.
+@pytest.fixture(params=["engine-pool", "aiohttp-client"])
 async def setup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Setup]:
-    if request.param != "front":
-        monkeypatch.setenv("CAPYCTL_PROXY_FRONT", "aiohttp")
-    if request.param == "aiohttp-both":
+    if request.param == "aiohttp-client":
         monkeypatch.setattr(proxy_app, "make_engine_pool", lambda **_: None)
     fake = FakeOpenAI()
     upstream_app = web.Application()
@@ -588,8 +584,7 @@ async def test_admission_is_released_once_whichever_way_it_was_given(
     async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json={"model": "model-native"}) as response:
         assert response.status == 404
         assert (await error_of(response))["code"] == "route_not_served"
-    # Every admission given was released once (the front's lane, refused after its admission,
-    # leaves the answer to the task's way, which is admitted again).
+    # Every admission given was released once.
     assert setup.router.in_flight == 0 and setup.router.released == setup.router.acquire_calls >= 3
 
 

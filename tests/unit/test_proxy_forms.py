@@ -17,13 +17,13 @@ import openai
 import pytest
 from aiohttp import web
 
-from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app
-from capyctl.proxy import _app as proxy_app
+from capyctl.proxy import KeyGrant, MiB, StaticKeys, Upstream, build_app
+from capyctl.proxy import _intake
 from tests.unit.test_proxy import FakeRouter, _start
 
 KEY, SCOPED = "sk-admin", "sk-only-chat"
 LAUNCH_KEY = "launch-key"
-MAX_UPLOAD = 3 * proxy_app.MiB
+MAX_UPLOAD = 3 * MiB
 
 
 class FormEngine:
@@ -49,7 +49,7 @@ class FormEngine:
 @pytest.fixture
 async def proxy() -> AsyncIterator[tuple[str, FormEngine, FakeRouter]]:
     engine = FormEngine()
-    engine_app = web.Application(client_max_size=64 * proxy_app.MiB)
+    engine_app = web.Application(client_max_size=64 * MiB)
     engine_app.router.add_post("/v1/audio/transcriptions", engine.handle)
     engine_runner, engine_url = await _start(engine_app)
     router = FakeRouter({
@@ -87,13 +87,13 @@ async def test_openai_client_transcription_reaches_the_engine_as_the_same_form(p
 async def test_a_large_upload_is_spooled_to_disk_and_arrives_whole(proxy, monkeypatch) -> None:
     url, engine, _ = proxy
     spooled = []
-    real = proxy_app.tempfile.TemporaryFile
+    real = _intake.tempfile.TemporaryFile
 
     def recording(*args, **kwargs):
         spooled.append(real(*args, **kwargs))
         return spooled[-1]
-    monkeypatch.setattr(proxy_app.tempfile, "TemporaryFile", recording)
-    audio = os.urandom(2 * proxy_app.MiB + 17)  # past UPLOAD_SPOOL_IN_MEMORY, under MAX_UPLOAD
+    monkeypatch.setattr(_intake.tempfile, "TemporaryFile", recording)
+    audio = os.urandom(2 * MiB + 17)  # past UPLOAD_SPOOL_IN_MEMORY, under MAX_UPLOAD
     form = aiohttp.FormData()
     form.add_field("file", audio, filename="long.wav", content_type="audio/wav")  # the file before the model
     form.add_field("model", "asr")
@@ -165,7 +165,7 @@ async def test_a_huge_text_field_is_refused(proxy) -> None:
     url, engine, router = proxy
     form = aiohttp.FormData()
     form.add_field("model", "asr")
-    form.add_field("prompt", "x" * (proxy_app.FORM_FIELD_MAX + 1))
+    form.add_field("prompt", "x" * (_intake.FORM_FIELD_MAX + 1))
     form.add_field("file", b"RIFF", filename="a.wav")
     async with aiohttp.ClientSession() as http:
         async with http.post(url + "/v1/audio/transcriptions", data=form,

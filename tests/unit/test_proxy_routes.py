@@ -415,7 +415,7 @@ async def test_a_stored_response_on_an_engine_without_retrieval_is_route_not_ser
 
 
 def test_response_owners_are_bounded_and_ignore_odd_ids() -> None:
-    from capyctl.proxy._app import ResponseOwners
+    from capyctl.proxy._exchange import ResponseOwners
     owners = ResponseOwners(limit=2)
     for n in range(3):
         owners.remember(f"resp_{n}", "m")

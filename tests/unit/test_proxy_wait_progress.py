@@ -2,8 +2,8 @@
 
 A fake Router's acquire reports progress a few times, as the controller does during a wait or a
 wake, then admits the request to a small fake engine (OpenAI chat chunks, Anthropic events). The
-proxy runs on a real loopback socket through ``serve``, with its own front and with aiohttp's
-server; the official ``openai`` and ``anthropic`` clients read what it sends.
+proxy runs on a real loopback socket through ``serve``; the official ``openai`` and ``anthropic``
+clients read what it sends.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ import anthropic
 import openai
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from capyctl.errors import CapyError, Unavailable
 from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app
-from capyctl.proxy import _app as proxy_app
+from capyctl.proxy import _relay
+from capyctl.proxy._exchange import Exchange
 from tests.unit.test_proxy import HANG_GUARD, _start, sse_chunk
 from tests.unit.test_proxy_routes import anthropic_events
 
@@ -148,11 +150,8 @@ async def running(router_class: type[WaitingRouter] = WaitingRouter) -> AsyncIte
         await engine_runner.cleanup()
 
 
-# Both servers that answer clients: the proxy's front, and aiohttp's (CAPYCTL_PROXY_FRONT=aiohttp).
-@pytest.fixture(params=["front", "aiohttp"])
-async def proxy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Proxy]:
-    if request.param == "aiohttp":
-        monkeypatch.setenv("CAPYCTL_PROXY_FRONT", "aiohttp")
+@pytest.fixture
+async def proxy() -> AsyncIterator[Proxy]:
     async with running() as started:
         yield started
 
@@ -262,10 +261,7 @@ async def test_a_wait_without_progress_lines_sends_the_answer_as_before(proxy: P
     assert status == 200 and not comments(lines) and lines[0][1].startswith(b"data:")
 
 
-@pytest.mark.parametrize("front", ["front", "aiohttp"])
-async def test_a_router_without_progress_still_admits(front: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if front == "aiohttp":
-        monkeypatch.setenv("CAPYCTL_PROXY_FRONT", "aiohttp")
+async def test_a_router_without_progress_still_admits() -> None:
     async with running(OldRouter) as proxy:
         proxy.router.lines = waking(0.5)
         status, _, lines = await raw_stream(proxy.url)
@@ -395,10 +391,11 @@ async def test_an_error_before_any_comment_is_still_an_error_status(proxy: Proxy
 
 # ---------------------------------------------------------------- a client that does not read
 
-class StuckReply:
-    """A Reply whose client stopped reading: every write waits until ``unstick`` is set."""
+class StuckExchange(Exchange):
+    """An Exchange whose client stopped reading: every write waits until ``unstick`` is set."""
 
     def __init__(self) -> None:
+        super().__init__(None, None, None, make_mocked_request("POST", "/v1/chat/completions"))  # type: ignore[arg-type]
         self.started = 0
         self.written: list[bytes] = []
         self.unstick = asyncio.Event()
@@ -412,10 +409,9 @@ class StuckReply:
 
 
 async def test_a_client_that_does_not_read_holds_one_line_not_all_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy_app, "PROGRESS_INTERVAL", 0.05)
-    reply = StuckReply()
-    exchange = proxy_app.Exchange(None, None, None, "/v1/chat/completions", {}, reply)  # type: ignore[arg-type]
-    progress = proxy_app.WaitProgress(exchange)
+    monkeypatch.setattr(_relay, "PROGRESS_INTERVAL", 0.05)
+    reply = StuckExchange()
+    progress = _relay.WaitProgress(reply)
     try:
         for i in range(10_000):
             progress(f"waiting for m: {i} requests ahead")
