@@ -25,6 +25,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..errors import CapyError
+from ._door import key_accepted
 from ._errors import (
     JSON_CONTENT_TYPE,
     anthropic_error_response,
@@ -333,6 +334,7 @@ def authorize(exchange: Exchange) -> KeyGrant | None:
     grant = keys.verify(token)
     if grant is None:
         raise CapyError("The API key is not valid.", code="invalid_api_key", status=401)
+    key_accepted()  # its connection may use the slots the door keeps for keyed clients (_door.py)
     return grant
 
 

@@ -13,6 +13,7 @@ from aiohttp.log import access_logger
 from ..errors import CapyError
 from ._app import STATE
 from . import _client_side
+from ._door import DoorSettings, DoorSite
 
 SD_LISTEN_FDS_START = 3
 
@@ -65,11 +66,14 @@ def _split_host_port(host_port: str) -> tuple[str, int]:
 
 
 async def serve(app: web.Application, *, sock: socket.socket | None = None,
-                host_port: str | None = None, shutdown_timeout: float = 10.0) -> web.AppRunner:
+                host_port: str | None = None, shutdown_timeout: float = 10.0,
+                door: DoorSettings | None = None) -> web.AppRunner:
     """Start serving ``app`` on a passed socket or on HOST:PORT; the caller cleans the runner up.
 
     Handlers are cancelled when their client disconnects (handler_cancellation), which is
-    how a client that goes away leaves its queue slot and stops its upstream request.
+    how a client that goes away leaves its queue slot and stops its upstream request. ``door``:
+    the proxy's connections are aiohttp's, held to those limits (_door.DoorSite, as the daemon
+    serves it); without it, the proxy's own front serves them (_client_side) until it is removed.
     """
     if (sock is None) == (host_port is None):
         raise CapyError("Give either a socket or a HOST:PORT to serve on.", code="invalid_listen_address",
@@ -79,13 +83,16 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
     # CAPYCTL_ACCESS_LOG=1 turns it on for debugging.
     access_log = access_logger if os.environ.get("CAPYCTL_ACCESS_LOG") == "1" else None
     # Idle kept-alive connections close after KEEPALIVE_S in aiohttp's server as in the front.
+    keepalive = door.keepalive_timeout if door is not None else _client_side.KEEPALIVE_S
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
-                           access_log=access_log, keepalive_timeout=_client_side.KEEPALIVE_S)
+                           access_log=access_log, keepalive_timeout=keepalive)
     await runner.setup()
     try:
         host, port = _split_host_port(host_port or "") if sock is None else ("", 0)
         site: web.BaseSite
-        if STATE in app:  # the proxy: its connections are the front's (_client_side), capped
+        if STATE in app and door is not None:  # the proxy, its connections held to the door's limits
+            site = DoorSite(runner, door, sock=sock, host=host, port=port)
+        elif STATE in app:  # the proxy: its connections are the front's (_client_side), capped
             site = _client_side.FrontSite(runner, sock=sock, host=host, port=port, shutdown_timeout=shutdown_timeout)
         elif sock is not None:
             site = web.SockSite(runner, sock)
