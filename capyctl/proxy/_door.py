@@ -39,8 +39,8 @@ client sees past each limit):
 
 A refused connection is kept only until its head is read (or ``REFUSED_LINGER_S``) so that its 503
 is read by the client rather than lost to a reset, and at most ``REFUSED_WAITING_MAX`` of them at
-once: past that, a refused connection is reset at once, so that refusals never hold more
-descriptors than that.
+once: past that, a refused connection is closed at once without an answer, so that refusals never
+hold more descriptors than that.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ from aiohttp import web
 from ..errors import CapyError
 from ._errors import error_parts
 
-# A refused connection waits this long at most for its head before it is closed without an answer.
+# A refused connection waits this long at most for its head, then is closed without an answer.
 REFUSED_LINGER_S = 2.0
-# Refused connections waiting for their heads at once; past it one is reset at once.
+# Refused connections waiting for their heads at once; past it one is closed at once, unanswered.
 REFUSED_WAITING_MAX = 128
 # Bytes of a refused connection's head read at most: its 503 goes out at its blank line or here.
 REFUSED_HEAD_MAX = 16 * 1024
