@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
@@ -32,6 +33,7 @@ from tests.unit.test_proxy import HANG_GUARD, FakeRouter, eventually
 KEY = "sk-door"
 HALF_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\n"  # no blank line: never whole
 HEALTH = b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n"
+BIG_ANSWER = 16 * 1024 * 1024
 MODELS = f"GET /v1/models HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode()
 
 
@@ -48,10 +50,12 @@ class Answer:
     body: bytes
 
 
-async def read_answer(reader: asyncio.StreamReader) -> Answer:
-    """One whole HTTP/1.1 answer (every answer here has a Content-Length)."""
+async def read_answer(reader: asyncio.StreamReader, status_line: bytes = b"") -> Answer:
+    """One whole HTTP/1.1 answer (every answer here has a Content-Length); ``status_line``: its first
+    line, where it was read already."""
     async def read() -> Answer:
-        status_line = await reader.readline()
+        nonlocal status_line
+        status_line = status_line or await reader.readline()
         assert status_line.startswith(b"HTTP/1.1 "), status_line
         headers: dict[str, str] = {}
         while (line := await reader.readline()) not in (b"\r\n", b""):
@@ -91,7 +95,10 @@ async def door(*, keys: bool = True, **settings: float) -> AsyncIterator[Door]:
     """The proxy with ``settings``, its one model's engine answering at once; ``keys`` False: no
     authentication (no connection is ever keyed)."""
     async def chat(request: web.Request) -> web.Response:
-        return web.json_response({"object": "chat.completion", "echo": (await request.json())["messages"]})
+        messages = (await request.json())["messages"]
+        if messages[0]["content"] == "big":  # more than the kernel's buffers hold for a client that does not read
+            return web.Response(body=b"[" + b"0," * (BIG_ANSWER // 2) + b"0]", content_type="application/json")
+        return web.json_response({"object": "chat.completion", "echo": messages})
 
     engine_app = web.Application()
     engine_app.router.add_post("/v1/chat/completions", chat)
@@ -153,6 +160,27 @@ async def test_the_next_heads_deadline_runs_from_its_first_byte_and_an_idle_conn
         assert (await read_answer(idle_reader)).status == 200
         idle_writer.close()
         writer.close()
+
+
+async def test_a_head_late_behind_an_answer_still_unsent_closes_without_a_408() -> None:
+    # A client that does not read a big answer, then sends half a head: at the deadline no status
+    # can follow the answer as the answer to that head, so the connection just closes after it.
+    async with door(head_timeout=0.3) as proxy:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: the window)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (proxy.host, proxy.port))
+        reader, writer = await asyncio.open_connection(sock=sock)  # (its buffer stops reading at 128 KiB)
+        writer.write(chat_request("big"))
+        status_line = await asyncio.wait_for(reader.readline(), HANG_GUARD)  # the answer is going out
+        writer.write(HALF_HEAD)
+        late = await proxy.connect()  # its 408 says the half head's deadline has passed too
+        await closed_by_the_door(late[0], 408, "request_head_timeout")
+        answer = await read_answer(reader, status_line)
+        assert answer.status == 200 and len(answer.body) > BIG_ANSWER
+        assert await closed(reader)  # nothing after the answer
+        for other in (writer, late[1]):
+            other.close()
 
 
 async def test_a_request_waiting_for_its_engine_is_not_cut_by_the_head_deadline() -> None:
