@@ -65,6 +65,34 @@ class SwapConfig(_Strict):
         "(llama-swap's and Ollama's way; a baseline for benchmarks/contention.py).")
 
 
+class DoorConfig(_Strict):
+    """The proxy's client connections under hostile load (capyctl/proxy/_door.py, docs/security.md)."""
+
+    head_timeout: Duration = Field(default=10.0, gt=0, le=3600,
+                                   description="A request head must be whole this long after its connection "
+                                   "opened, or after the first byte that follows the previous answer; past it the "
+                                   "connection is answered 408 `request_head_timeout` and closed.")
+    connections_max: int = Field(default=1024, ge=2, le=1_000_000,
+                                 description="Most client connections open at once; past it 503 "
+                                 "`too_many_connections`.")
+    per_address_max: int = Field(default=256, ge=1, le=1_000_000,
+                                 description="Most client connections open at once from one client address; past "
+                                 "it that address gets 503 `too_many_connections_from_address`.")
+    keyed_reserve: int = Field(default=256, ge=0, description="Of connections_max, the slots only ever held "
+                               "by connections that carried a valid API key; connections without one give way "
+                               "to newer connections rather than take them.")
+    keepalive_timeout: Duration = Field(default=75.0, gt=0, le=86_400,
+                                        description="An idle kept-alive client connection is closed after this "
+                                        "long.")
+
+    @model_validator(mode="after")
+    def _reserve_under_cap(self) -> "DoorConfig":
+        if self.keyed_reserve >= self.connections_max:
+            raise ValueError(f"keyed_reserve ({self.keyed_reserve}) must be less than connections_max "
+                             f"({self.connections_max})")
+        return self
+
+
 class HostConfig(_Strict):
     dev_controls: bool = Field(
         default=True, description="Allow engine development controls on this host (vLLM sleep mode, SGLang "
@@ -88,6 +116,7 @@ class ConfigFile(_Strict):
                                     "or more cores, 0 below (see docs/engines-and-parking.md, Cores on CPU hosts).")
     queue: QueueConfig = Field(default_factory=QueueConfig)
     swap: SwapConfig = Field(default_factory=SwapConfig)
+    door: DoorConfig = Field(default_factory=DoorConfig)
     wait_progress: bool = Field(default=True, description="A streamed request that waits for room or a wake gets "
                                 "SSE comment lines (`: waking NAME: ...`) at most every second until the engine "
                                 "answers; false: it waits silently, as a non-streamed request does.")
@@ -132,7 +161,7 @@ class ConfigFile(_Strict):
 # Fields a reload applies to the running daemon; any other change is reported as needing a restart.
 LIVE_FIELDS = ("log_level", "ram_reserve", "ram_budget", "cpu_reserve", "queue", "swap", "wait_progress",
                "idle_park_after", "hosts")
-RESTART_FIELDS = ("listen", "admin_token_file")
+RESTART_FIELDS = ("listen", "admin_token_file", "door")
 
 
 def parse_config(text: str, source: str) -> ConfigFile:

@@ -8,6 +8,7 @@ handles signals and sd_notify.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -25,7 +26,7 @@ from .api import build_api
 from .config import DaemonConfig
 from .controller import Controller
 from .errors import CapyError
-from .proxy import KeyGrant, build_app, listen_sockets_from_systemd, metrics_text, serve, token_digest
+from .proxy import DoorSettings, KeyGrant, build_app, listen_sockets_from_systemd, metrics_text, serve, token_digest
 from .store import Store
 
 log = logging.getLogger("capyctl")
@@ -99,10 +100,11 @@ class Daemon:
         keys = None if self.no_auth else StoreKeys(self.store)
         # wait_progress is read per request, so that a reload (config_file.apply) turns it on or off.
         proxy = build_app(self.controller, keys, wait_progress=lambda: self.config.wait_progress)
+        door = self.door_settings()
         if "openai" in sockets:
-            self._runners.append(await serve(proxy, sock=sockets["openai"]))
+            self._runners.append(await serve(proxy, sock=sockets["openai"], door=door))
         else:
-            self._runners.append(await serve(proxy, host_port=self.config.listen))
+            self._runners.append(await serve(proxy, host_port=self.config.listen, door=door))
         from .api import Credentials
         api = build_api(self.controller, self.store,
                         Credentials(paths.credentials_dir, admin_token_path=self.config.admin_token_file),
@@ -111,6 +113,14 @@ class Daemon:
         self._runners.append(await serve(api, sock=api_sock))
         log.info("serving OpenAI endpoint on %s and management API on %s",
                  "systemd socket" if "openai" in sockets else self.config.listen, paths.api_socket)
+
+    def door_settings(self) -> DoorSettings:
+        """The proxy's connection limits, from the configuration file's ``door:``. Without keys
+        (--no-auth) no connection is ever keyed, so none of the cap is kept for keyed ones."""
+        from . import config_file
+        file = self.config.file if self.config.file is not None else config_file.ConfigFile()
+        door = DoorSettings(**file.door.model_dump())
+        return dataclasses.replace(door, keyed_reserve=0) if self.no_auth else door
 
     @staticmethod
     def _bind_api_socket(path: Path) -> socket.socket:

@@ -64,7 +64,7 @@ def netns() -> Iterator[str]:
 # Modules whose async tests run on uvloop's loop too, the daemon's (capyctl/eventloop.py): code that
 # implements asyncio protocols, where uvloop's transports differ from asyncio's (they subclass none
 # of asyncio's classes, and read a peer's close in the same batch as its last bytes).
-_ON_UVLOOP_TOO = {"test_proxy_wire.py", "test_proxy_engine_side.py"}
+_ON_UVLOOP_TOO = {"test_proxy_wire.py", "test_proxy_engine_side.py", "test_proxy_door.py"}
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable]:

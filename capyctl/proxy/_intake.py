@@ -18,6 +18,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from ..errors import CapyError
+from ._door import key_accepted
 from ._exchange import MiB, Exchange
 from ._keys import KeyGrant
 from ._routes import routes_served
@@ -72,6 +73,7 @@ def authorize(exchange: Exchange) -> KeyGrant | None:
     grant = keys.verify(token)
     if grant is None:
         raise CapyError("The API key is not valid.", code="invalid_api_key", status=401)
+    key_accepted()  # its connection may now use the share of the door kept for keyed clients
     return grant
 
 

@@ -11,6 +11,7 @@ from aiohttp import web
 from aiohttp.log import access_logger
 
 from ..errors import CapyError
+from ._door import DoorSettings, DoorSite
 
 SD_LISTEN_FDS_START = 3
 # Idle kept-alive client connections are closed after this long (aiohttp's own default,
@@ -75,12 +76,15 @@ def _split_host_port(host_port: str) -> tuple[str, int]:
 
 
 async def serve(app: web.Application, *, sock: socket.socket | None = None,
-                host_port: str | None = None, shutdown_timeout: float = 10.0) -> web.AppRunner:
+                host_port: str | None = None, shutdown_timeout: float = 10.0,
+                door: DoorSettings | None = None) -> web.AppRunner:
     """Start serving ``app`` on a passed socket or on HOST:PORT; the caller cleans the runner up.
 
     aiohttp's web server reads every request. Handlers are cancelled when their client
     disconnects (handler_cancellation), which is how a client that goes away leaves its queue
-    slot and stops its upstream request.
+    slot and stops its upstream request. With ``door`` (the daemon's proxy), connections come in
+    through the door (_door.DoorSite), held to its limits; without it (the management API, a
+    test's app), through aiohttp's own sites.
     """
     if (sock is None) == (host_port is None):
         raise CapyError("Give either a socket or a HOST:PORT to serve on.", code="invalid_listen_address",
@@ -91,13 +95,17 @@ async def serve(app: web.Application, *, sock: socket.socket | None = None,
     access_log = access_logger if os.environ.get("CAPYCTL_ACCESS_LOG") == "1" else None
     # (Its keyword arguments reach each connection's RequestHandler: aiohttp/web_runner.py
     # AppRunner._make_server, then web_app.py Application._make_handler and web_server.py Server.)
+    keepalive = door.keepalive_timeout if door is not None else KEEPALIVE_S
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
-                           access_log=access_log, keepalive_timeout=KEEPALIVE_S, max_line_size=HEAD_LINE_MAX,
+                           access_log=access_log, keepalive_timeout=keepalive, max_line_size=HEAD_LINE_MAX,
                            max_field_size=HEAD_LINE_MAX, max_headers=HEADERS_MAX)
     await runner.setup()
     try:
         site: web.BaseSite
-        if sock is not None:
+        if door is not None:
+            host, port = _split_host_port(host_port or "") if sock is None else ("", 0)
+            site = DoorSite(runner, door, sock=sock, host=host, port=port)
+        elif sock is not None:
             site = web.SockSite(runner, sock)
         else:
             host, port = _split_host_port(host_port or "")

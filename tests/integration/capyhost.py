@@ -221,12 +221,17 @@ class CapyHost(DaemonCli):
 
 @contextmanager
 def running_host(*, env: dict[str, str] | None = None, fake_nvml: str | None = None,
-                 journal_lines: int = 150) -> Iterator[CapyHost]:
+                 journal_lines: int = 150, config: str | None = None) -> Iterator[CapyHost]:
     """A booted sandbox with the daemon started; its journal printed and the sandbox torn down after.
-    ``fake_nvml``: the source of a ``pynvml`` module put first on the daemon's path (a fake GPU host)."""
+    ``fake_nvml``: the source of a ``pynvml`` module put first on the daemon's path (a fake GPU host).
+    ``config``: the text of the daemon's configuration file (CAPYCTL_CONFIG)."""
     require_root()
     host = CapyHost(env=env).boot()
     try:
+        if config is not None:
+            path = host.root / "config.yaml"
+            path.write_text(config)
+            host.env["CAPYCTL_CONFIG"] = str(path)
         if fake_nvml is not None:
             shim = host.root / "fake-nvml"
             shim.mkdir()

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capyctl.errors import Unavailable
-from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+from capyctl.proxy import DoorSettings, KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
 from capyctl.proxy._routes import FORM_ROUTES, JSON_ROUTES, SYSTEMONE_ROUTE
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -62,7 +62,7 @@ class Proxy:
 
         async def start() -> tuple[web.AppRunner, aiohttp.ClientSession]:
             runner = await serve(build_app(self.router, keys, max_body=MAX_BODY, max_upload=MAX_UPLOAD),
-                                 host_port="127.0.0.1:0")
+                                 host_port="127.0.0.1:0", door=DoorSettings())  # as the daemon serves it
             host, port = runner.addresses[0][:2]
             return runner, aiohttp.ClientSession(base_url=f"http://{host}:{port}")
 

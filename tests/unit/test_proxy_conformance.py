@@ -36,7 +36,7 @@ import httptools
 import pytest
 
 from capyctl import eventloop
-from capyctl.proxy import KeyGrant, StaticKeys, build_app, serve
+from capyctl.proxy import DoorSettings, KeyGrant, StaticKeys, build_app, serve
 from tests.unit.test_fuzz_proxy import UnwakeableRouter  # one model, parked, whose wake fails (503)
 
 KEY, OTHER_KEY = "sk-conformance", "sk-conformance-other"
@@ -345,7 +345,8 @@ class Door:
                            OTHER_KEY: KeyGrant("other", models=frozenset({"other"}))})
 
         async def start():
-            return await serve(build_app(UnwakeableRouter(), keys, max_body=MAX_BODY), host_port="127.0.0.1:0")
+            return await serve(build_app(UnwakeableRouter(), keys, max_body=MAX_BODY), host_port="127.0.0.1:0",
+                               door=DoorSettings())  # as the daemon serves it
         self.server = self.runner.run(start())
         self.port = self.server.addresses[0][1]
 

@@ -21,8 +21,7 @@ from typing import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
-from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app, serve
-from capyctl.proxy import _sockets
+from capyctl.proxy import DoorSettings, KeyGrant, StaticKeys, Upstream, build_app, serve
 from capyctl.proxy._app import POOL, STATE
 from tests.unit.test_proxy import FakeRouter, eventually
 
@@ -91,7 +90,7 @@ async def proxy() -> AsyncIterator[Proxy]:
     engine_host, engine_port = engine.addresses[0][:2]
     upstream = Upstream("dep", f"http://{engine_host}:{engine_port}", "launch", "llama.cpp", frozenset({"chat"}))
     app = build_app(FakeRouter({"m": upstream}), StaticKeys({KEY: KeyGrant("t")}), max_body=MAX_BODY)
-    runner = await serve(app, host_port="127.0.0.1:0")
+    runner = await serve(app, host_port="127.0.0.1:0", door=DoorSettings())  # as the daemon serves it
     host, port = runner.addresses[0][:2]
     try:
         yield Proxy(host, port, runner, release, engine_saw, flood_written)
@@ -258,19 +257,6 @@ async def test_connection_close_is_honoured(proxy: Proxy) -> None:
     assert json.loads(answer.body)["echo"] == "bye" and answer.headers["connection"] == "close"
     assert await closed(reader)
     writer.close()
-
-
-async def test_an_idle_connection_is_closed_after_the_keepalive_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_sockets, "KEEPALIVE_S", 0.3)  # (read by serve)
-    async with _proxy_to_raw_engine(lambda n: [_json_answer(b'{"n": %d}' % n)]) as proxy:
-        reader, writer = await proxy.connect()
-        writer.write(chat_request("once"))
-        assert json.loads((await read_answer(reader)).body) == {"n": 0}
-        assert await closed(reader)
-        writer.close()
-        reader, writer = await proxy.connect()  # one that never sent a byte, too
-        assert await closed(reader)
-        writer.close()
 
 
 async def test_shutdown_lets_a_stream_in_flight_finish_and_closes_idle_connections(proxy: Proxy) -> None:
@@ -565,7 +551,7 @@ async def _proxy_to_raw_engine(answer: Callable[[int], list[bytes]]) -> AsyncIte
     engine_port = engine.sockets[0].getsockname()[1]
     upstream = Upstream("dep", f"http://127.0.0.1:{engine_port}", "launch", "llama.cpp", frozenset({"chat"}))
     app = build_app(FakeRouter({"m": upstream}), StaticKeys({KEY: KeyGrant("t")}), max_body=MAX_BODY)
-    runner = await serve(app, host_port="127.0.0.1:0")
+    runner = await serve(app, host_port="127.0.0.1:0", door=DoorSettings())  # as the daemon serves it
     host, port = runner.addresses[0][:2]
     try:
         yield Proxy(host, port, runner, asyncio.Event(), [], asyncio.Event())
