@@ -20,8 +20,9 @@ from typing import Callable
 
 from aiohttp import web
 
-from . import eventloop
+from . import descriptors, eventloop
 from .api import build_api
+from .bodies import BodyBudget
 from .config import DaemonConfig
 from .controller import Controller
 from .errors import CapyError
@@ -86,9 +87,15 @@ class Daemon:
         self.systemd = None
         self.controller: Controller | None = None
         self._runners: list[web.AppRunner] = []
+        # Request bodies held in memory, one budget for the proxy and the management API.
+        self.bodies = BodyBudget(config.bodies_memory_max)
+        # The client connection cap that fits the descriptor limit (set by start; the door enforces it).
+        self.connections: descriptors.ConnectionPlan | None = None
 
     async def start(self, sockets: dict[str, socket.socket] | None = None) -> None:
         from .systemd import SystemdClient
+        # First: a limit that cannot hold even a few connections refuses the start before anything runs.
+        self.connections = descriptors.plan_connections(descriptors.CONNECTIONS_DEFAULT)
         paths = self.config.paths
         paths.state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         self.store = Store(paths.database)
@@ -98,7 +105,8 @@ class Daemon:
         sockets = sockets or {}
         keys = None if self.no_auth else StoreKeys(self.store)
         # wait_progress is read per request, so that a reload (config_file.apply) turns it on or off.
-        proxy = build_app(self.controller, keys, wait_progress=lambda: self.config.wait_progress)
+        proxy = build_app(self.controller, keys, wait_progress=lambda: self.config.wait_progress,
+                          bodies=self.bodies)
         if "openai" in sockets:
             self._runners.append(await serve(proxy, sock=sockets["openai"]))
         else:
@@ -106,7 +114,7 @@ class Daemon:
         from .api import Credentials
         api = build_api(self.controller, self.store,
                         Credentials(paths.credentials_dir, admin_token_path=self.config.admin_token_file),
-                        metrics_text=lambda: metrics_text(proxy))
+                        metrics_text=lambda: metrics_text(proxy), bodies=self.bodies)
         api_sock = sockets.get("api") or self._bind_api_socket(paths.api_socket)
         self._runners.append(await serve(api, sock=api_sock))
         log.info("serving OpenAI endpoint on %s and management API on %s",
@@ -151,6 +159,7 @@ class Daemon:
         config_file.apply(config, new, config.overrides or config_file.Overrides())
         # What the running daemon cannot change stays as it started until a restart.
         config.listen, config.admin_token_file = listen, admin_token_file
+        self.bodies.limit = config.bodies_memory_max
         config_file.set_log_level(config.log_level)
         if self.controller is not None:
             self.controller.reconfigured()
@@ -210,6 +219,10 @@ def _logging(level: str = "info") -> None:
 
 def _run(config: DaemonConfig, *, no_auth: bool) -> int:
     _logging(config.log_level)
+    # A shell or a bare systemd-run starts us with the soft default (1024), far under what the
+    # connection caps need; capyctl.service sets LimitNOFILE= (soft and hard) itself.
+    soft, hard = descriptors.raise_soft_limit()
+    log.debug("file descriptor limit: %d (hard %d)", soft, hard)
     # Sockets passed by systemd (capyctl.socket, capyctl-api.socket) win over binding our own.
     sockets = listen_sockets_from_systemd()
     try:

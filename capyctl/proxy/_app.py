@@ -24,6 +24,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from .. import descriptors
+from ..bodies import BodyBudget, lease_middleware, lease_of, read_within
 from ..errors import CapyError
 from ._errors import (
     JSON_CONTENT_TYPE,
@@ -164,7 +166,8 @@ class Exchange:
 
 def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * MiB,
               request_timeout: float | None = None, max_upload: int = DEFAULT_MAX_UPLOAD,
-              wait_progress: Callable[[], bool] = lambda: True) -> web.Application:
+              wait_progress: Callable[[], bool] = lambda: True,
+              bodies: BodyBudget | None = None) -> web.Application:
     """The proxy application.
 
     ``keys`` None turns authentication off (standalone development only: anyone who
@@ -173,11 +176,14 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
     ``request_timeout`` bounds one upstream exchange, from connecting to the engine to
     the last byte of its answer, not the wait for admission (the Router bounds that);
     None means no bound. ``wait_progress`` answers, per request, whether a streamed request
-    that waits for admission gets SSE comments meanwhile (:class:`WaitProgress`).
+    that waits for admission gets SSE comments meanwhile (:class:`WaitProgress`). ``bodies`` is the
+    daemon-wide budget of request bodies held in memory (capyctl/bodies.py), shared with the
+    management API; None gives this app one of its own, of the default size.
 
     Serve it with :func:`serve` so that a client that disconnects cancels its handler.
     """
-    app = web.Application(client_max_size=max_body, middlewares=[_observe])
+    app = web.Application(client_max_size=max_body,
+                          middlewares=[_observe, lease_middleware(bodies or BodyBudget())])
     app[STATE] = ProxyState(router=router, keys=keys, max_body=max_body, request_timeout=request_timeout,
                             max_upload=max_upload, wait_progress=wait_progress,
                             router_reports_progress=_takes_progress(router))
@@ -255,9 +261,13 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
     except asyncio.CancelledError:
         status = CLIENT_CLOSED
         raise
-    except Exception:
-        log.exception("proxy: unexpected error on %s %s", request.method, request.path)
-        failure = CapyError("The proxy failed to handle this request.", status=500)
+    except Exception as exc:
+        if descriptors.is_shortage(exc):  # (an upload's spool file): the daemon's own 503
+            failure = descriptors.shortage_error(f"handle {request.method} {request.path}")
+            status = failure.status
+        else:
+            log.exception("proxy: unexpected error on %s %s", request.method, request.path)
+            failure = CapyError("The proxy failed to handle this request.", status=500)
         return anthropic_error_response(failure) if is_anthropic(request.path) else error_response(failure)
     finally:
         resource = request.match_info.route.resource
@@ -348,14 +358,11 @@ def _too_large() -> CapyError:
 
 
 async def _read_body(request: web.Request) -> bytes:
-    """The body's bytes, within max_body (413 beyond)."""
-    max_body = request.app[STATE].max_body
-    if request.content_length is not None and request.content_length > max_body:
-        raise _too_large()
+    """The body's bytes, within max_body (413 beyond) and the daemon's budget of bodies held
+    (503 request_bodies_busy: capyctl/bodies.py)."""
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large() from None
+        raw = await read_within(request.content, lease_of(request), length=request.content_length,
+                                max_size=request.app[STATE].max_body, too_large=_too_large)
     except RequestPayloadError as exc:
         # A body that cannot be decoded (a broken gzip Content-Encoding, a torn chunk) is the
         # client's fault, not ours.
@@ -455,6 +462,7 @@ async def _received_form(request: web.Request) -> AsyncIterator[_ReceivedForm]:
                         code="invalid_form", status=400)
     form = _ReceivedForm()
     received = 0
+    lease = lease_of(request)  # what the form holds in memory, by growth (capyctl/bodies.py)
     try:
         try:
             reader = await request.multipart()
@@ -473,6 +481,7 @@ async def _received_form(request: web.Request) -> AsyncIterator[_ReceivedForm]:
                     if item.spool is not None:
                         item.spool.write(chunk)
                         continue
+                    lease.take(len(chunk))
                     item.data += chunk
                     if item.filename is None and len(item.data) > FORM_FIELD_MAX:
                         raise CapyError(f"The form field '{item.name}' is larger than {FORM_FIELD_MAX} bytes.",
@@ -480,6 +489,7 @@ async def _received_form(request: web.Request) -> AsyncIterator[_ReceivedForm]:
                     if len(item.data) > UPLOAD_SPOOL_IN_MEMORY:
                         item.spool = tempfile.TemporaryFile(prefix="capyctl-upload-")
                         item.spool.write(item.data)
+                        lease.give_back(len(item.data))
                         item.data = bytearray()
                 if item.filename is None:
                     try:
@@ -825,6 +835,8 @@ def unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
     verdict = _verdict(upstream)
     if verdict is not None:  # the connection broke because CapyCTL stopped the engine: say why
         return verdict
+    if descriptors.is_shortage(exc):  # the daemon's own shortage: not the engine's fault
+        return descriptors.shortage_error(f"connect to the engine of '{upstream.deployment}'")
     if isinstance(exc, TimeoutError):
         return CapyError(f"The engine of '{upstream.deployment}' did not answer in time.",
                          code="engine_timeout", status=504)
