@@ -94,10 +94,11 @@ class _Throttle:
 _throttle = _Throttle()
 
 
-def shortage_error(doing: str) -> CapyError:
-    """The daemon's own 503 for a descriptor shortage met while trying to ``doing`` (logged, throttled)."""
+def shortage_error(doing: str, error: type[CapyError] = CapyError) -> CapyError:
+    """The daemon's own 503 for a descriptor shortage met while trying to ``doing`` (logged, throttled);
+    of type ``error`` where callers tell errors apart by type (EngineError for an engine call)."""
     _throttle.warn(doing)
-    return CapyError(f"CapyCTL has no file descriptor left and could not {doing}: the daemon is short of "
+    return error(f"CapyCTL has no file descriptor left and could not {doing}: the daemon is short of "
                      "descriptors, the engine is not at fault. Retry shortly.", code=SHORTAGE_CODE, status=503,
                      retry_after=SHORTAGE_RETRY_AFTER_S)
 

@@ -264,8 +264,8 @@ async def call(session: aiohttp.ClientSession, method: str, base_url: str, path:
                 return await resp.json()
             return text
     except aiohttp.ClientError as exc:
-        if is_shortage(exc):  # the daemon's own, not the engine's
-            raise shortage_error(f"{what}: {method} {path}") from exc
+        if is_shortage(exc):  # the daemon's own, not the engine's (an EngineError still, for its callers)
+            raise shortage_error(f"go on with {what} ({method} {path})", EngineError) from exc
         raise EngineError(f"{what} failed: cannot reach the engine at {base_url}: {exc}",
                           code="engine_unreachable", detail={"path": path}) from exc
 

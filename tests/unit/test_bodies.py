@@ -238,7 +238,8 @@ async def test_the_management_api_draws_on_the_same_budget() -> None:
             held.close()
             async with http.post(url, data=b'{"spec": {"pad": "' + b"x" * 5000 + b'"}}',
                                  headers={"Content-Type": "application/json"}) as response:
-                assert response.status == 400  # read, and refused for what it says
+                assert response.status == 422  # read, and refused for what it says
+                assert (await response.json())["error"]["code"] == "invalid_manifest"
     finally:
         held.close()
         await runner.cleanup()

@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.client_exceptions import UnixClientConnectorError
+from aiohttp.client_reqrep import ConnectionKey
 
 from capyctl import descriptors
 from capyctl.controller._launch import wait_healthy
@@ -49,6 +50,8 @@ def _raised_from(outer: type[BaseException], inner: BaseException, *args) -> Bas
         return wrapped
 
 
+# What aiohttp's connector names the connection by (aiohttp/client_reqrep.py).
+KEY_OF = ConnectionKey("127.0.0.1", 1, False, True, None, None, None)
 EMFILE = OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 ENFILE = OSError(errno.ENFILE, os.strerror(errno.ENFILE))
 
@@ -57,8 +60,8 @@ ENFILE = OSError(errno.ENFILE, os.strerror(errno.ENFILE))
     EMFILE,
     ENFILE,
     # aiohttp's connector wraps the OSError, copying its errno (aiohttp/client_exceptions.py).
-    aiohttp.ClientConnectorError(None, EMFILE),  # type: ignore[arg-type]
-    UnixClientConnectorError("/run/x.sock", None, ENFILE),  # type: ignore[arg-type]
+    aiohttp.ClientConnectorError(KEY_OF, EMFILE),
+    UnixClientConnectorError("/run/x.sock", KEY_OF, ENFILE),
     # the proxy's engine client raises its own error from the OSError (_engine_side.EnginePool._connect)
     _raised_from(EngineConnectionError, EMFILE, "cannot connect to /run/x.sock: Too many open files"),
     shortage_error("do a thing"),
@@ -69,7 +72,7 @@ def test_a_shortage_is_recognised_however_it_is_wrapped(exc: BaseException) -> N
 
 @pytest.mark.parametrize("exc", [
     OSError(errno.ECONNREFUSED, "refused"),
-    aiohttp.ClientConnectorError(None, OSError(errno.ENOENT, "no socket")),  # type: ignore[arg-type]
+    aiohttp.ClientConnectorError(KEY_OF, OSError(errno.ENOENT, "no socket")),
     _raised_from(EngineConnectionError, OSError(errno.ECONNRESET, "reset"), "the engine closed the connection"),
     TimeoutError(),
     CapyError("no", code="engine_unreachable", status=502),
@@ -181,7 +184,7 @@ class Session:
         self.error = error
 
     def get(self, *args, **kwargs):
-        raise aiohttp.ClientConnectorError(None, self.error)  # type: ignore[arg-type]
+        raise aiohttp.ClientConnectorError(KEY_OF, self.error)
 
     request = get
 
@@ -206,11 +209,12 @@ async def test_a_health_probe_the_daemon_could_not_make_is_not_an_unhealthy_engi
 
 async def test_an_engine_control_call_the_daemon_could_not_make_is_not_engine_unreachable() -> None:
     from capyctl.engines._base import call
-    with pytest.raises(CapyError) as raised:
+    from capyctl.errors import EngineError
+    with pytest.raises(EngineError) as raised:  # (callers that tolerate an engine call's failure still do)
         await call(Session(ENFILE), "POST", "http://127.0.0.1:1", "/sleep", None,  # type: ignore[arg-type]
                    code="park_failed", what="parking")
     assert (raised.value.code, raised.value.status) == (SHORTAGE_CODE, 503)
-    with pytest.raises(CapyError) as raised:
+    with pytest.raises(EngineError) as raised:
         await call(Session(OSError(errno.ECONNREFUSED, "refused")), "POST", "http://127.0.0.1:1",  # type: ignore[arg-type]
                    "/sleep", None, code="park_failed", what="parking")
     assert raised.value.code == "engine_unreachable"
