@@ -147,9 +147,11 @@ async def test_a_proxy_out_of_descriptors_answers_its_own_503_and_does_not_blame
 
     engine_app = web.Application()
     engine_app.router.add_post("/v1/chat/completions", answer)
+    engine_app.router.add_post("/v1/audio/transcriptions", answer)
     engine_runner = await serve(engine_app, host_port="127.0.0.1:0")
     engine_port = engine_runner.addresses[0][1]
-    router = OneEngine(Upstream("dep", f"http://127.0.0.1:{engine_port}", None, "custom", frozenset({"chat"})))
+    router = OneEngine(Upstream("dep", f"http://127.0.0.1:{engine_port}", None, "custom",
+                                frozenset({"chat", "transcriptions"})))
     proxy_runner = await serve(build_app(router, StaticKeys({KEY: KeyGrant("k")})), host_port="127.0.0.1:0")
     proxy_url = "http://127.0.0.1:%d" % proxy_runner.addresses[0][1]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -170,6 +172,14 @@ async def test_a_proxy_out_of_descriptors_answers_its_own_503_and_does_not_blame
             assert router.in_flight == 0
             async with http.post(proxy_url + "/v1/chat/completions", json=chat, headers=headers) as response:
                 assert response.status == 200, await response.text()  # served again once descriptors are back
+            # An upload past what is kept in memory needs a spool file: none to be had is the same 503.
+            form = aiohttp.FormData()
+            form.add_field("model", "m")
+            form.add_field("file", b"\0" * (2 << 20), filename="a.wav", content_type="audio/wav")
+            with no_descriptor_left():
+                async with http.post(proxy_url + "/v1/audio/transcriptions", data=form, headers=headers) as response:
+                    status, body = response.status, await response.json()
+            assert (status, body["error"]["code"]) == (503, SHORTAGE_CODE), body
     finally:
         await proxy_runner.cleanup()
         await engine_runner.cleanup()
