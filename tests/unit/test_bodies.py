@@ -10,7 +10,6 @@ clients once issue 45's first part lands; clients are raw sockets where a body m
 from __future__ import annotations
 
 import asyncio
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -21,9 +20,9 @@ from aiohttp import web
 from capyctl.api import build_api
 from capyctl.bodies import BUSY_CODE, BodyBudget
 from capyctl.errors import CapyError
-from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app, serve
+from tests.unit.test_proxy import HANG_GUARD, FakeRouter, eventually
 
-HANG_GUARD = 15.0
 KEY = "sk-test"
 BUDGET = 100_000
 CHAT = "/v1/chat/completions"
@@ -57,23 +56,6 @@ def test_hold_takes_only_the_growth_and_close_gives_everything_back() -> None:
 
 # ---------------------------------------------------------------- the proxy
 
-class OneEngine:
-    """A Router with one deployment that serves chat and transcriptions, admitting at once."""
-
-    def __init__(self, upstream: Upstream) -> None:
-        self.upstream = upstream
-
-    def models(self) -> list[ModelEntry]:
-        return [ModelEntry(id="m", deployment="dep", state="ready", engine="custom", created=1700000000)]
-
-    @asynccontextmanager
-    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
-        yield self.upstream
-
-    def stats(self) -> dict:
-        return {}
-
-
 @dataclass
 class Proxy:
     host: str
@@ -100,23 +82,13 @@ async def proxy(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Proxy]:
     upstream = Upstream("dep", f"http://127.0.0.1:{engine.addresses[0][1]}", None, "custom",
                         frozenset({"chat", "transcriptions"}))
     budget = BodyBudget(BUDGET)
-    runner = await serve(build_app(OneEngine(upstream), StaticKeys({KEY: KeyGrant("k")}), max_body=1 << 20,
+    runner = await serve(build_app(FakeRouter({"m": upstream}), StaticKeys({KEY: KeyGrant("k")}), max_body=1 << 20,
                                    bodies=budget), host_port="127.0.0.1:0")
     try:
         yield Proxy("127.0.0.1", runner.addresses[0][1], budget)
     finally:
         await runner.cleanup()
         await engine.cleanup()
-
-
-async def eventually(predicate, what: str) -> None:
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0.01)
-    try:
-        await asyncio.wait_for(poll(), HANG_GUARD)
-    except TimeoutError:
-        pytest.fail(f"never happened: {what}")
 
 
 def _head(*, length: int | None) -> bytes:

@@ -17,8 +17,8 @@ import os
 import resource
 import subprocess
 import sys
-from contextlib import asynccontextmanager, contextmanager
-from typing import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Iterator
 
 import aiohttp
 import pytest
@@ -33,10 +33,10 @@ from capyctl.descriptors import (CONNECTIONS_MIN, SHORTAGE_CODE, ConnectionPlan,
                                  plan_connections, shortage_error)
 from capyctl.engines._base import EngineAdapter
 from capyctl.errors import CapyError
-from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
+from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app, serve
 from capyctl.proxy._engine_side import EngineConnectionError
+from tests.unit.test_proxy import HANG_GUARD, FakeRouter
 
-HANG_GUARD = 15.0
 KEY = "sk-test"
 
 
@@ -95,33 +95,6 @@ def test_the_shortage_error_is_a_503_with_retry_after_and_is_logged_once_in_a_wh
 
 # ---------------------------------------------------------------- the proxy, out of descriptors for real
 
-class OneEngine:
-    """A Router with one deployment, admitting at once; records whether engine_lost was asked."""
-
-    def __init__(self, upstream: Upstream) -> None:
-        self.upstream = upstream
-        self.lost_asked = 0
-        self.in_flight = 0
-
-    def models(self) -> list[ModelEntry]:
-        return [ModelEntry(id="m", deployment="dep", state="ready", engine="custom", created=1700000000)]
-
-    @asynccontextmanager
-    async def acquire(self, model: str) -> AsyncIterator[Upstream]:
-        self.in_flight += 1
-        try:
-            yield self.upstream
-        finally:
-            self.in_flight -= 1
-
-    async def engine_lost(self, upstream: Upstream) -> bool:
-        self.lost_asked += 1
-        return False
-
-    def stats(self) -> dict:
-        return {}
-
-
 @contextmanager
 def no_descriptor_left() -> Iterator[None]:
     """This process cannot open one more descriptor until the block ends: its soft limit is
@@ -150,8 +123,8 @@ async def test_a_proxy_out_of_descriptors_answers_its_own_503_and_does_not_blame
     engine_app.router.add_post("/v1/audio/transcriptions", answer)
     engine_runner = await serve(engine_app, host_port="127.0.0.1:0")
     engine_port = engine_runner.addresses[0][1]
-    router = OneEngine(Upstream("dep", f"http://127.0.0.1:{engine_port}", None, "custom",
-                                frozenset({"chat", "transcriptions"})))
+    router = FakeRouter({"m": Upstream("dep", f"http://127.0.0.1:{engine_port}", None, "custom",
+                                       frozenset({"chat", "transcriptions"}))})
     proxy_runner = await serve(build_app(router, StaticKeys({KEY: KeyGrant("k")})), host_port="127.0.0.1:0")
     proxy_url = "http://127.0.0.1:%d" % proxy_runner.addresses[0][1]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -168,7 +141,7 @@ async def test_a_proxy_out_of_descriptors_answers_its_own_503_and_does_not_blame
                     status, retry_after, body = response.status, response.headers.get("Retry-After"), \
                         await response.json()
             assert (status, body["error"]["code"], retry_after) == (503, SHORTAGE_CODE, "1"), body
-            assert router.lost_asked == 0  # no host-loss check for the daemon's own shortage
+            assert router.lost_asked == []  # no host-loss check for the daemon's own shortage
             assert router.in_flight == 0
             async with http.post(proxy_url + "/v1/chat/completions", json=chat, headers=headers) as response:
                 assert response.status == 200, await response.text()  # served again once descriptors are back
