@@ -22,6 +22,8 @@ SMALL_HOST_CORES = 4
 # has (capyctl.slice has the same weight against system.slice: units/capyctl.slice), so that
 # under contention for a CPU the daemon and its proxy get twice the engines' share.
 ENGINE_CPU_WEIGHT = 50
+# Request bodies held in memory at once across the daemon (bodies.memory_max: capyctl/bodies.py).
+BODIES_MEMORY_MAX_DEFAULT = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ class DaemonConfig:
     swap_quantum: float = 5.0
     swap_wait_max: float = 30.0
     swap_order: str = "batches"
+    # Bytes of request bodies held in memory at once, daemon-wide (capyctl/bodies.py).
+    bodies_memory_max: int = BODIES_MEMORY_MAX_DEFAULT
     # SSE comment lines to a streamed request while it waits for room or a wake.
     wait_progress: bool = True
     # RAM kept free for the host itself when CPU deployments are budgeted.

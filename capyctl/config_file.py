@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .config import DEFAULT_LISTEN, DaemonConfig
+from .config import BODIES_MEMORY_MAX_DEFAULT, DEFAULT_LISTEN, DaemonConfig
 from .spec._units import Duration, Size
 from .spec.loader import ManifestError, Problem, _problems, load_yaml
 
@@ -93,6 +93,15 @@ class DoorConfig(_Strict):
         return self
 
 
+class BodiesConfig(_Strict):
+    """Request bodies held in memory across the whole daemon (capyctl/bodies.py, docs/security.md)."""
+
+    memory_max: Size = Field(default=BODIES_MEMORY_MAX_DEFAULT, ge=1 << 20, description="Most bytes of request "
+                             "bodies held in memory at once, the proxy's (JSON bodies, the in-memory part of "
+                             "uploads) and the management API's together; a request that finds no room is "
+                             "refused at once with 503 `request_bodies_busy` and Retry-After.")
+
+
 class HostConfig(_Strict):
     dev_controls: bool = Field(
         default=True, description="Allow engine development controls on this host (vLLM sleep mode, SGLang "
@@ -117,6 +126,7 @@ class ConfigFile(_Strict):
     queue: QueueConfig = Field(default_factory=QueueConfig)
     swap: SwapConfig = Field(default_factory=SwapConfig)
     door: DoorConfig = Field(default_factory=DoorConfig)
+    bodies: BodiesConfig = Field(default_factory=BodiesConfig)
     wait_progress: bool = Field(default=True, description="A streamed request that waits for room or a wake gets "
                                 "SSE comment lines (`: waking NAME: ...`) at most every second until the engine "
                                 "answers; false: it waits silently, as a non-streamed request does.")
@@ -160,7 +170,7 @@ class ConfigFile(_Strict):
 
 # Fields a reload applies to the running daemon; any other change is reported as needing a restart.
 LIVE_FIELDS = ("log_level", "ram_reserve", "ram_budget", "cpu_reserve", "queue", "swap", "wait_progress",
-               "idle_park_after", "hosts")
+               "idle_park_after", "hosts", "bodies")
 RESTART_FIELDS = ("listen", "admin_token_file", "door")
 
 
@@ -223,6 +233,7 @@ def apply(config: DaemonConfig, file: ConfigFile, overrides: Overrides) -> None:
     config.swap_quantum = file.swap.quantum
     config.swap_wait_max = file.swap.wait_max
     config.swap_order = file.swap.order
+    config.bodies_memory_max = file.bodies.memory_max
     config.wait_progress = file.wait_progress
     config.host_ram_reserve = file.ram_reserve if file.ram_reserve is not None else DaemonConfig.host_ram_reserve
     config.host_ram_budget = file.ram_budget

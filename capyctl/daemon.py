@@ -21,8 +21,9 @@ from typing import Callable
 
 from aiohttp import web
 
-from . import eventloop
+from . import descriptors, eventloop
 from .api import build_api
+from .bodies import BodyBudget
 from .config import DaemonConfig
 from .controller import Controller
 from .errors import CapyError
@@ -87,9 +88,15 @@ class Daemon:
         self.systemd = None
         self.controller: Controller | None = None
         self._runners: list[web.AppRunner] = []
+        # Request bodies held in memory, one budget for the proxy and the management API.
+        self.bodies = BodyBudget(config.bodies_memory_max)
+        # The client connection cap that fits the descriptor limit (set by start; the door enforces it).
+        self.connections: descriptors.ConnectionPlan | None = None
 
     async def start(self, sockets: dict[str, socket.socket] | None = None) -> None:
         from .systemd import SystemdClient
+        # First: a limit that cannot hold even a few connections refuses the start before anything runs.
+        door = self.door_settings()
         paths = self.config.paths
         paths.state_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         self.store = Store(paths.database)
@@ -99,8 +106,8 @@ class Daemon:
         sockets = sockets or {}
         keys = None if self.no_auth else StoreKeys(self.store)
         # wait_progress is read per request, so that a reload (config_file.apply) turns it on or off.
-        proxy = build_app(self.controller, keys, wait_progress=lambda: self.config.wait_progress)
-        door = self.door_settings()
+        proxy = build_app(self.controller, keys, wait_progress=lambda: self.config.wait_progress,
+                          bodies=self.bodies)
         if "openai" in sockets:
             self._runners.append(await serve(proxy, sock=sockets["openai"], door=door))
         else:
@@ -108,18 +115,25 @@ class Daemon:
         from .api import Credentials
         api = build_api(self.controller, self.store,
                         Credentials(paths.credentials_dir, admin_token_path=self.config.admin_token_file),
-                        metrics_text=lambda: metrics_text(proxy))
+                        metrics_text=lambda: metrics_text(proxy), bodies=self.bodies)
         api_sock = sockets.get("api") or self._bind_api_socket(paths.api_socket)
         self._runners.append(await serve(api, sock=api_sock))
         log.info("serving OpenAI endpoint on %s and management API on %s",
                  "systemd socket" if "openai" in sockets else self.config.listen, paths.api_socket)
 
     def door_settings(self) -> DoorSettings:
-        """The proxy's connection limits, from the configuration file's ``door:``. Without keys
-        (--no-auth) no connection is ever keyed, so none of the cap is kept for keyed ones."""
+        """The proxy's connection limits, from the configuration file's ``door:``, the cap lowered
+        to what the descriptor limit holds (``self.connections``; descriptors.plan_connections warns
+        or refuses), the keyed share with it. Without keys (--no-auth) no connection is ever keyed,
+        so none of the cap is kept for keyed ones."""
         from . import config_file
         file = self.config.file if self.config.file is not None else config_file.ConfigFile()
         door = DoorSettings(**file.door.model_dump())
+        self.connections = plan = descriptors.plan_connections(door.connections_max)
+        if plan.lowered:
+            door = dataclasses.replace(door, connections_max=plan.connections_max,
+                                       keyed_reserve=door.keyed_reserve * plan.connections_max // plan.asked,
+                                       per_address_max=min(door.per_address_max, plan.connections_max))
         return dataclasses.replace(door, keyed_reserve=0) if self.no_auth else door
 
     @staticmethod
@@ -161,6 +175,7 @@ class Daemon:
         config_file.apply(config, new, config.overrides or config_file.Overrides())
         # What the running daemon cannot change stays as it started until a restart.
         config.listen, config.admin_token_file = listen, admin_token_file
+        self.bodies.limit = config.bodies_memory_max
         config_file.set_log_level(config.log_level)
         if self.controller is not None:
             self.controller.reconfigured()
@@ -220,6 +235,10 @@ def _logging(level: str = "info") -> None:
 
 def _run(config: DaemonConfig, *, no_auth: bool) -> int:
     _logging(config.log_level)
+    # A shell or a bare systemd-run starts us with the soft default (1024), far under what the
+    # connection caps need; capyctl.service sets LimitNOFILE= (soft and hard) itself.
+    soft, hard = descriptors.raise_soft_limit()
+    log.debug("file descriptor limit: %d (hard %d)", soft, hard)
     # Sockets passed by systemd (capyctl.socket, capyctl-api.socket) win over binding our own.
     sockets = listen_sockets_from_systemd()
     try:

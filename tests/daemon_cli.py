@@ -9,6 +9,15 @@ import sys
 from pathlib import Path
 
 CAPYCTL = Path(sys.executable).parent / "capyctl"  # the test venv's, as scripts/test installs it
+SERVICE_UNIT = Path(__file__).resolve().parents[1] / "units" / "capyctl.service"
+
+
+def limit_nofile_property() -> str:
+    """``--property=LimitNOFILE=N`` with units/capyctl.service's N, for a daemon a test starts with
+    systemd-run: without it the daemon has the soft default and raises it to the sandbox's hard limit
+    (capyctl/descriptors.py), not the descriptor limit the installed daemon runs with."""
+    line = next(line for line in SERVICE_UNIT.read_text().splitlines() if line.startswith("LimitNOFILE="))
+    return f"--property={line.strip()}"
 
 
 class DaemonCli:

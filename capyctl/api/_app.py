@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from typing import Any, Callable
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
+from ..bodies import BodyBudget, lease_middleware, lease_of, read_within
 from ..controller import Command, Controller, UsageView
 from ..errors import CapyError, InvalidRequest
 from ..spec import DeploymentSpec, EngineSpec, ManifestError
@@ -38,8 +40,23 @@ USAGE = web.AppKey("usage", UsageView)
 METRICS_TEXT = web.AppKey("metrics_text", Callable[[], str | bytes])
 
 
+# The most a request body may be (a manifest, a registration): past it, 413.
+BODY_MAX = 4 << 20
+# Per request (aiohttp 3.12's web.RequestKey where it exists): its body once read (_raw).
+_RequestKey = getattr(web, "RequestKey", None)
+_RAW: Any = _RequestKey("capyctl_api_body", bytes) if _RequestKey else "capyctl_api_body"
+
+
 def _error(exc: CapyError | ManifestError) -> web.Response:
-    return web.json_response({"error": exc.to_dict()}, status=exc.status)
+    response = web.json_response({"error": exc.to_dict()}, status=exc.status)
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:  # whole seconds, rounded up: never too early
+        response.headers["Retry-After"] = str(max(0, math.ceil(retry_after)))
+    return response
+
+
+def _too_large() -> CapyError:
+    return CapyError(f"the request body is larger than {BODY_MAX} bytes", code="request_too_large", status=413)
 
 
 @web.middleware
@@ -49,8 +66,7 @@ async def _errors(request: web.Request, handler):
     except (CapyError, ManifestError) as exc:
         return _error(exc)
     except web.HTTPRequestEntityTooLarge:
-        return _error(CapyError(f"the request body is larger than {request.app._client_max_size} bytes",
-                                code="request_too_large", status=413))
+        return _error(_too_large())
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -83,13 +99,26 @@ async def _once(request: web.Request, operation, body: bytes = b"") -> tuple[asy
     return request.app[OPERATIONS].start(request.headers.get(IDEMPOTENCY_KEY), fingerprint, operation)
 
 
+async def _raw(request: web.Request) -> bytes:
+    """The request's body, read once, within BODY_MAX and the daemon's budget of bodies held in
+    memory (capyctl/bodies.py: 503 request_bodies_busy when it has no room)."""
+    raw = request.get(_RAW)
+    if raw is None:
+        try:
+            raw = await read_within(request.content, lease_of(request), length=request.content_length,
+                                    max_size=BODY_MAX, too_large=_too_large)
+        except RequestPayloadError as exc:
+            raise InvalidRequest(f"the body could not be read: {exc}", code="invalid_body") from None
+        request[_RAW] = raw
+    return raw
+
+
 async def _body(request: web.Request) -> dict:
+    raw = await _raw(request)
     try:
-        data = await request.json()
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from None
-    except RequestPayloadError as exc:
-        raise InvalidRequest(f"the body could not be read: {exc}", code="invalid_body") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_json")
     return data
@@ -122,7 +151,7 @@ async def inspect_deployment(request: web.Request) -> web.Response:
 
 async def create_deployment(request: web.Request) -> web.StreamResponse:
     ctl = request.app[CONTROLLER]
-    raw = await request.read()
+    raw = await _raw(request)
     body = await _body(request)
     spec = _validate(DeploymentSpec, body.get("spec"), "request body: spec")
     ctl.engine_for(spec)  # an unknown engine is a 400 before anything streams
@@ -385,10 +414,14 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def build_api(controller: Controller, store: Store, credentials: Credentials | None = None, *,
-              metrics_text: Callable[[], str | bytes] | None = None) -> web.Application:
+              metrics_text: Callable[[], str | bytes] | None = None,
+              bodies: BodyBudget | None = None) -> web.Application:
     """``credentials`` None serves every request as admin (tests over TCP); the daemon passes them.
-    ``metrics_text`` renders the proxy's Prometheus text, which the dashboard reads request rates from."""
-    app = web.Application(middlewares=[_errors, _authenticated], client_max_size=4 << 20)
+    ``metrics_text`` renders the proxy's Prometheus text, which the dashboard reads request rates from.
+    ``bodies``: the daemon-wide budget of request bodies held in memory, shared with the proxy;
+    None gives this app one of its own."""
+    app = web.Application(middlewares=[_errors, lease_middleware(bodies or BodyBudget()), _authenticated],
+                          client_max_size=BODY_MAX)
     app[CONTROLLER] = controller
     app[STORE] = store
     if credentials is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import engine_credentials_dir, engine_socket_path, engine_socket_runtime_directory
+from ..descriptors import is_shortage
 from ..errors import CapyError
 from ._confine import engine_location
 from ._keys import new_engine_key
@@ -206,8 +207,12 @@ async def wait_healthy(adapter: Any, http: Any, base_url: str, key: str | None, 
     while True:
         if exited.is_set():
             raise exit_error()
-        if await adapter.health(http, base_url, key):
-            return
+        try:
+            if await adapter.health(http, base_url, key):
+                return
+        except CapyError as exc:
+            if not is_shortage(exc):  # (the daemon's descriptor shortage, logged: not an answer; poll on)
+                raise
         now = time.monotonic()
         if now - began > timeout:
             raise asyncio.TimeoutError

@@ -10,7 +10,8 @@ process gets the SIGTERM; what is left after a short grace (HUNG_STOP_GRACE_S) g
 
 Not probed: starting, waking, parking (each has its own timeout) and parked engines. Time the
 daemon itself was not looking (its event loop blocked or late) is not counted against the
-engine: a probe whose timer fired late, or a pause that overslept, is discounted.
+engine: a probe whose timer fired late, or a pause that overslept, is discounted; so is a probe
+the daemon could not even make for want of file descriptors (capyctl/descriptors.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
+from ..descriptors import is_shortage
 from ..errors import CapyError
 from ._lifecycle import Command
 
@@ -83,14 +85,18 @@ class Watchdog:
         self.silent = 0.0  # seconds without an answer, daemon lag discounted
         self.discounted = 0  # rounds not counted because the daemon was late
 
-    async def _probe_once(self) -> bool:
+    async def _probe_once(self) -> bool | None:
+        """True: the engine answered; False: it did not; None: the daemon could not ask (it is
+        out of file descriptors), which says nothing of the engine."""
         try:
             return bool(await asyncio.wait_for(self.probe(), timeout=self.timeout))
         except asyncio.TimeoutError:
             return False
         except asyncio.CancelledError:
             raise
-        except Exception:  # a probe that cannot even be made is a failed probe, not a crash
+        except Exception as exc:  # a probe that cannot even be made is a failed probe, not a crash
+            if is_shortage(exc):  # (logged where it was met: capyctl/descriptors.py)
+                return None
             log.debug("liveness probe raised", exc_info=True)
             return False
 
@@ -106,7 +112,7 @@ class Watchdog:
             lag = max(0.0, (woke - previous) - self.interval) + max(0.0, (now - woke) - self.timeout)
             if ok:
                 self.silent = 0.0
-            elif lag > LAG_TOLERANCE_S:
+            elif ok is None or lag > LAG_TOLERANCE_S:
                 self.discounted += 1  # the daemon was not looking: neither success nor silence
             else:
                 self.silent += now - previous

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 import aiohttp
 
+from ..descriptors import is_shortage, shortage_error
 from ..errors import CapyError, EngineError
 from ..spec import DeploymentSpec, EngineSpec
 
@@ -263,6 +264,8 @@ async def call(session: aiohttp.ClientSession, method: str, base_url: str, path:
                 return await resp.json()
             return text
     except aiohttp.ClientError as exc:
+        if is_shortage(exc):  # the daemon's own, not the engine's (an EngineError still, for its callers)
+            raise shortage_error(f"go on with {what} ({method} {path})", EngineError) from exc
         raise EngineError(f"{what} failed: cannot reach the engine at {base_url}: {exc}",
                           code="engine_unreachable", detail={"path": path}) from exc
 
@@ -321,13 +324,17 @@ class EngineAdapter(ABC):
         ...
 
     async def health(self, session: aiohttp.ClientSession, base_url: str, key: str | None) -> bool:
-        """True when ``GET <health path>`` answers 200; False on any other answer or no answer."""
+        """True when ``GET <health path>`` answers 200; False on any other answer or no answer.
+        CapyError ``out_of_file_descriptors`` when the daemon could not even open the connection:
+        that says nothing of the engine, and a watchdog must not count it as silence."""
         try:
             async with session.get(base_url.rstrip("/") + self.health_path, headers=headers_for(key),
                                    timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
                 await resp.read()
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if is_shortage(exc):
+                raise shortage_error("probe the engine's health") from exc
             return False
 
     async def park(self, session: aiohttp.ClientSession, base_url: str, key: str | None, level: int) -> None:

@@ -22,6 +22,8 @@ from typing import Any, AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 
+from .. import descriptors
+from ..bodies import BodyBudget, lease_middleware
 from ..errors import CapyError
 from ._engine_side import make_engine_pool
 from ._errors import JSON_CONTENT_TYPE, anthropic_error_response, error_response
@@ -69,7 +71,8 @@ _EXCHANGE: Any = _RequestKey("capyctl_exchange", object) if _RequestKey else "ca
 
 def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * MiB,
               request_timeout: float | None = None, max_upload: int = DEFAULT_MAX_UPLOAD,
-              wait_progress: Callable[[], bool] = lambda: True) -> web.Application:
+              wait_progress: Callable[[], bool] = lambda: True,
+              bodies: BodyBudget | None = None) -> web.Application:
     """The proxy application.
 
     ``keys`` None turns authentication off (standalone development only: anyone who
@@ -78,11 +81,13 @@ def build_app(router: Router, keys: KeyVerifier | None, *, max_body: int = 8 * M
     ``request_timeout`` bounds one upstream exchange, from connecting to the engine to
     the last byte of its answer, not the wait for admission (the Router bounds that);
     None means no bound. ``wait_progress`` answers, per request, whether a streamed request
-    that waits for admission gets SSE comments meanwhile (``_relay.WaitProgress``).
+    that waits for admission gets SSE comments meanwhile (``_relay.WaitProgress``). ``bodies`` is
+    the daemon-wide budget of request bodies held in memory (capyctl/bodies.py), shared with the
+    management API; a budget of its own when None.
 
     Serve it with :func:`serve` so that a client that disconnects cancels its handler.
     """
-    app = web.Application(client_max_size=max_body, middlewares=[_observe])
+    app = web.Application(client_max_size=max_body, middlewares=[_observe, lease_middleware(bodies or BodyBudget())])
     app[STATE] = ProxyState(router=router, keys=keys, max_body=max_body, request_timeout=request_timeout,
                             max_upload=max_upload, wait_progress=wait_progress,
                             router_reports_progress=_takes_progress(router))
@@ -168,9 +173,13 @@ async def _observe(request: web.Request, handler) -> web.StreamResponse:
     except asyncio.CancelledError:
         status = CLIENT_CLOSED
         raise
-    except Exception:
-        log.exception("proxy: unexpected error on %s %s", request.method, request.path)
-        failure = CapyError("The proxy failed to handle this request.", status=500)
+    except Exception as exc:
+        if descriptors.is_shortage(exc):  # (an upload's spool file): the daemon's own 503
+            failure = descriptors.shortage_error(f"handle {request.method} {request.path}")
+            status = failure.status
+        else:
+            log.exception("proxy: unexpected error on %s %s", request.method, request.path)
+            failure = CapyError("The proxy failed to handle this request.", status=500)
         return anthropic_error_response(failure) if is_anthropic(request.path) else error_response(failure)
     finally:
         resource = request.match_info.route.resource

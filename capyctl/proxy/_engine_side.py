@@ -54,12 +54,14 @@ try:
 except ImportError:  # a platform without its wheel: the proxy uses aiohttp's client (make_engine_pool)
     httptools = None  # type: ignore[assignment]
 
+from ..descriptors import IDLE_ENGINE_CONNECTIONS
 from .connector import ENGINE_KEEPALIVE_S
 
 # Bytes of an answer buffered for the client before the engine's socket is read no further.
 BUFFER_HIGH = 256 * 1024
-# Idle connections kept per engine: enough for a burst of concurrent requests to find one.
-IDLE_PER_ENGINE_MAX = 256
+# Idle connections kept per engine: enough for a burst of concurrent requests to find one (the
+# daemon's descriptor limit is checked against it at start: capyctl/descriptors.py).
+IDLE_PER_ENGINE_MAX = IDLE_ENGINE_CONNECTIONS
 
 
 class EngineConnectionError(ConnectionError):

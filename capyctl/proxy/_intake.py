@@ -17,6 +17,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from ..bodies import lease_of, read_within
 from ..errors import CapyError
 from ._door import key_accepted
 from ._exchange import MiB, Exchange
@@ -80,13 +81,11 @@ def authorize(exchange: Exchange) -> KeyGrant | None:
 # ---------------------------------------------------------------- a JSON body
 
 async def read_body(request: web.Request, max_body: int) -> bytes:
-    """The body's bytes, within ``max_body`` (413 beyond)."""
-    if request.content_length is not None and request.content_length > max_body:
-        raise too_large()
+    """The body's bytes, within ``max_body`` (413 beyond) and the daemon's budget of bodies held
+    (503 request_bodies_busy: capyctl/bodies.py)."""
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large() from None
+        raw = await read_within(request.content, lease_of(request), length=request.content_length,
+                                max_size=max_body, too_large=too_large)
     except RequestPayloadError as exc:
         # A body that cannot be decoded (a broken gzip Content-Encoding, a torn chunk) is the
         # client's fault, not ours.
@@ -194,6 +193,7 @@ async def received_form(request: web.Request, cap: int) -> AsyncIterator[Receive
                         code="invalid_form", status=400)
     form = ReceivedForm()
     received = 0
+    lease = lease_of(request)  # what the form holds in memory, by growth (capyctl/bodies.py)
     try:
         try:
             reader = await request.multipart()
@@ -212,6 +212,7 @@ async def received_form(request: web.Request, cap: int) -> AsyncIterator[Receive
                     if item.spool is not None:
                         item.spool.write(chunk)
                         continue
+                    lease.take(len(chunk))
                     item.data += chunk
                     if item.filename is None and len(item.data) > FORM_FIELD_MAX:
                         raise CapyError(f"The form field '{item.name}' is larger than {FORM_FIELD_MAX} bytes.",
@@ -219,6 +220,7 @@ async def received_form(request: web.Request, cap: int) -> AsyncIterator[Receive
                     if len(item.data) > UPLOAD_SPOOL_IN_MEMORY:
                         item.spool = tempfile.TemporaryFile(prefix="capyctl-upload-")
                         item.spool.write(item.data)
+                        lease.give_back(len(item.data))
                         item.data = bytearray()
                 if item.filename is None:
                     try:

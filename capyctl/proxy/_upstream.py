@@ -13,6 +13,7 @@ from typing import Any, Callable, Union
 
 import aiohttp
 
+from .. import descriptors
 from ..errors import CapyError
 from ._engine_side import EngineConnectionError, EngineResponse
 from ._exchange import Exchange
@@ -86,6 +87,8 @@ def unreachable(upstream: Upstream, exc: BaseException) -> CapyError:
     cut = verdict(upstream)
     if cut is not None:  # the connection broke because CapyCTL stopped the engine: say why
         return cut
+    if descriptors.is_shortage(exc):  # the daemon's own shortage: not the engine's fault
+        return descriptors.shortage_error(f"connect to the engine of '{upstream.deployment}'")
     if isinstance(exc, TimeoutError):
         return CapyError(f"The engine of '{upstream.deployment}' did not answer in time.",
                          code="engine_timeout", status=504)

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.components import missing
-from tests.daemon_cli import DaemonCli
+from tests.daemon_cli import DaemonCli, limit_nofile_property
 from tests.netns.rig import TwoHostRig, missing_requirements
 
 from .capyhost import CAPYCTL, llama_server_path, smollm2_path
@@ -47,7 +47,7 @@ class FederatedDaemon(DaemonCli):
         env = {"CAPYCTL_STATE_DIR": str(self.root / "state"), "CAPYCTL_RUNTIME_DIR": str(self.root / "run"),
                "CAPYCTL_LOG_LEVEL": "DEBUG"}
         argv = ["systemd-run", "--unit=capytest-daemon", "--service-type=notify", "--collect",
-                "--property=TimeoutStartSec=60", *(f"--setenv={k}={v}" for k, v in env.items()),
+                "--property=TimeoutStartSec=60", limit_nofile_property(), *(f"--setenv={k}={v}" for k, v in env.items()),
                 str(CAPYCTL), "start", "standalone", "--listen", f"127.0.0.1:{PROXY_PORT}"]
         out = self.rig.a.exec(*argv, check=False, timeout=90)
         if out.returncode != 0:

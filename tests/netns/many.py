@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from tests.daemon_cli import CAPYCTL, DaemonCli
+from tests.daemon_cli import CAPYCTL, DaemonCli, limit_nofile_property
 from tests.netns.rig import (SANDBOX, NetHost, Rig, _run, delete_netns, entered_netns, missing_requirements,
                              start_sshd, stop_sandboxes)
 
@@ -354,7 +354,7 @@ class RigDaemon(DaemonCli):
         # No --collect: the unit stays loaded after it stops, so `systemctl restart` and its journal
         # work as for an installed daemon.
         argv = ["systemd-run", f"--unit={DAEMON_UNIT}", "--service-type=notify",
-                f"--property=TimeoutStartSec={int(timeout)}",
+                f"--property=TimeoutStartSec={int(timeout)}", limit_nofile_property(),
                 *(f"--setenv={k}={v}" for k, v in env.items()),
                 str(CAPYCTL), "start", "standalone", "--listen", f"127.0.0.1:{PROXY_PORT}"]
         out = self.exec(*argv, check=False, timeout=timeout + 30)

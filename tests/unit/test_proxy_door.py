@@ -358,3 +358,16 @@ def test_the_config_files_door_section_reaches_the_daemons_door(tmp_path: Path) 
         config_file.load_config(path, required=True)
     old, new = config_file.parse_config("", "a"), config_file.parse_config("door:\n  head_timeout: 3s\n", "b")
     assert config_file.changes(old, new) == ([], ["door"])  # the listener's site is made at start
+
+
+def test_a_descriptor_limit_too_low_for_the_cap_lowers_it_and_the_keyed_share_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+    from capyctl import descriptors
+    fits = 300  # client connections that a limit of this many descriptors holds (descriptors.py)
+    limit = descriptors.descriptors_needed(fits)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limit, limit))
+    daemon = Daemon(DaemonConfig())
+    door = daemon.door_settings()
+    assert daemon.connections.lowered and door.connections_max == fits
+    assert door.keyed_reserve == 256 * fits // 1024 and door.per_address_max == 256
