@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from bench_summary import p99, render_scale  # noqa: E402
 from proxy_vs_nginx import find_nginx  # noqa: E402
+from _sandbox_daemon import deploy_all  # noqa: E402
 from tests.integration.capyhost import CapyHost, smollm2_path  # noqa: E402
 
 # The engine's one answer to every POST: a completion that is both a chat completion (message)
@@ -70,12 +71,16 @@ cmd: ["/bin/sh", "-c", "sed s/@PORT@/$1/ {template} > /tmp/nginx.conf && exec {n
 health: /health
 capabilities: [chat, completions]
 """
-DEPLOYMENT = """\
-name: {name}
-engine: instant
-model: {{path: {model}}}
-resources: {{ram: 256MiB}}
-"""
+
+
+def instant_engine(host: CapyHost, nginx: str) -> str:
+    """The instant engine's registration, its nginx configuration template written where the
+    engine's unit can read it."""
+    template = host.root / "instant-engine.conf"
+    template.write_text(ENGINE_CONF.replace("@ANSWER@", ANSWER))
+    template.chmod(0o644)
+    host.root.chmod(0o755)
+    return ENGINE_REGISTRATION.format(template=template, nginx=nginx)
 
 
 def rss(host: CapyHost, pid: int) -> dict[str, int]:
@@ -141,17 +146,8 @@ def main() -> None:
     host = CapyHost().boot()
     try:
         host.start_daemon()
-        template = host.root / "instant-engine.conf"
-        template.write_text(ENGINE_CONF.replace("@ANSWER@", ANSWER))
-        template.chmod(0o644)
-        host.root.chmod(0o755)
-        registration = host.write_manifest("instant-engine", ENGINE_REGISTRATION.format(template=template,
-                                                                                        nginx=nginx))
-        host.cli("engine", "add", "--file", str(registration))
         names = [f"instant-{i}" for i in range(args.deployments)]
-        for name in names:
-            manifest = host.write_manifest(name, DEPLOYMENT.format(name=name, model=model))
-            host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+        deploy_all(host, instant_engine(host, nginx), "instant", names, model)
         key = host.create_key("--name", "bench")
         pid = host.daemon_pid()
 
