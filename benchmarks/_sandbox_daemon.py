@@ -3,12 +3,14 @@ sandboxed host (tests/integration/capyhost.py), and the daemon process read from
 the sandbox (its RSS, peak RSS, open descriptors and descriptor limit) without a process start
 per reading.
 
-Used by daemon_scale.py, streams_scale.py and hostile_heads.py.
+Used by daemon_scale.py, streams_scale.py and hostile_heads.py; they raise their own limit on open
+files with raise_open_files.
 """
 
 from __future__ import annotations
 
 import glob
+import resource
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +72,15 @@ def open_files_limit(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def raise_open_files() -> int:
+    """This process's soft limit on open files raised to its hard one (a load of a thousand
+    connections and more needs more than the usual soft 1,024); the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 @dataclass

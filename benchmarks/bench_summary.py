@@ -44,6 +44,8 @@ GOAL_HOSTILE_OUTLIVED = 0
 # proxy_hop.py: the proxy's own engine client stays only if it saves at least this a request over
 # aiohttp's client (issue 45); the row says KEEP or DELETE.
 ENGINE_CLIENT_PAYS_S = 100e-6
+# proxy_hop.py's name for that proxy whose engine exchanges go through aiohttp's client.
+AIOHTTP_CLIENT = "capyctl-aiohttp-client"
 # Issue 31's goals for contention.py: models taking turns on room for one.
 GOAL_CONTENTION_FAILED = 0  # no failed request
 GOAL_CONTENTION_SHARE = 0.2  # each model at least a fifth of the answers
@@ -346,10 +348,6 @@ def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
                         f"{floor * 1e6:.0f} us" + (f"; CPU {floor_cpu * 1e6:.0f} us/request" if floor_cpu else ""),
                         "(floor)", "info"))
     return rows
-
-
-# proxy_hop.py's name for the proxy whose engine exchanges go through aiohttp's client.
-AIOHTTP_CLIENT = "capyctl-aiohttp-client"
 
 
 def engine_client_row(hop: dict[str, Any] | None) -> Row:

@@ -33,7 +33,6 @@ import asyncio
 import errno
 import json
 import os
-import resource
 import shutil
 import socket
 import statistics
@@ -48,19 +47,13 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+from _sandbox_daemon import (Watch, deploy_all, deployment_states, host_pid, open_files_limit,  # noqa: E402
+                             raise_open_files)
 from bench_summary import p99  # noqa: E402
 
 # The head the attacker starts and never ends: a request line at once, then a byte a second.
 REQUEST_LINE = b"POST /v1/chat/completions HTTP/1.1\r\n"
 TRICKLE = b"Host: 127.0.0.1\r\nContent-Type: application/json\r\nX-Slow: "
-
-
-def raise_open_files() -> int:
-    """The soft limit on open files raised to the hard one; the new soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 # ---------------------------------------------------------------- the attacker (its own process)
@@ -312,7 +305,7 @@ def main() -> None:
 
     if os.geteuid() != 0:
         finish("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
-    from _sandbox_daemon import Watch, deploy_all, deployment_states, host_pid, open_files_limit
+    # Here, not above: the attacker's process (this file too) starts sooner without them.
     from daemon_scale import instant_engine
     from proxy_vs_nginx import find_nginx
     from tests.integration.capyhost import CapyHost, smollm2_path
@@ -344,7 +337,7 @@ def main() -> None:
         baseline = keyed(args.baseline_seconds)
         out = host.root / "attacker.json"
         watch = Watch(pid, every=0.5).start()
-        attacker = subprocess.Popen([sys.executable, __file__, "--port", str(host.port), "--attacker-out", str(out),
+        attacker = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--port", str(host.port), "--attacker-out", str(out),
                                      "--attacker-address", args.attacker_address, "--connections",
                                      str(args.connections), "--connect-rate", str(args.connect_rate),
                                      "--attack-seconds", str(args.attack_seconds)])

@@ -36,7 +36,8 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _sandbox_daemon import Watch, deploy_all, deployment_states, host_pid, open_files_limit, proc_status  # noqa: E402
+from _sandbox_daemon import (Watch, deploy_all, deployment_states, host_pid, open_files_limit, proc_status,  # noqa: E402
+                             raise_open_files)
 from bench_summary import p99  # noqa: E402
 from tests.integration.capyhost import CapyHost, smollm2_path  # noqa: E402
 
@@ -177,6 +178,7 @@ def main() -> None:
     python = shutil.which("python3", path="/usr/bin:/bin")
     if model is None or python is None:
         finish("needs the SmolLM2 package (scripts/setup) as a model file, and /usr/bin/python3 for the stand-in")
+    raise_open_files()  # a connection a stream, all at once
     host = CapyHost().boot()
     try:
         host.start_daemon()
