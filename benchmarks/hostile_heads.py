@@ -333,7 +333,9 @@ def main() -> None:
             return asyncio.run(keyed_clients(host.base_url, key, "instant-0", args.keyed, seconds,
                                              keepalive=args.keepalive, timeout=args.request_timeout))
 
-        keyed(1.0)  # warm: the engine's connections made, code paths run once
+        warm = keyed(1.0)  # the engine's connections made, code paths run once
+        if not warm["answered"]:
+            raise RuntimeError(f"no keyed request was answered before the attack: {warm['failed_by']}")
         baseline = keyed(args.baseline_seconds)
         out = host.root / "attacker.json"
         watch = Watch(pid, every=0.5).start()
