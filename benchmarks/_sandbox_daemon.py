@@ -10,12 +10,16 @@ files with raise_open_files.
 from __future__ import annotations
 
 import glob
+import json
+import os
 import resource
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NoReturn
 
-from tests.integration.capyhost import CapyHost
+from tests.integration.capyhost import CapyHost, smollm2_path
 
 DEPLOYMENT = """\
 name: {name}
@@ -23,6 +27,40 @@ engine: {engine}
 model: {{path: {model}}}
 resources: {{ram: 256MiB}}
 """
+
+
+class Report:
+    """A benchmark's figures, written as JSON to ``path`` (its ``--json``) when it ends; one that
+    cannot measure ends with the reason in that JSON and on stderr, and exit status 1, so that
+    scripts/bench notes it and goes on, and the table says why."""
+
+    def __init__(self, name: str, path: Path | None, result: dict[str, Any]) -> None:
+        self.name, self.path, self.result = name, path, result
+
+    def finish(self, error: str | None = None) -> None:
+        if error:
+            self.result["error"] = error
+            print(f"{self.name}: {error}", file=sys.stderr)
+        if self.path:
+            self.path.write_text(json.dumps(self.result))
+        if error:
+            sys.exit(1)
+
+    def model_or_end(self) -> str:
+        """The SmolLM2 package's file as a model path (the stand-in engines never read it), where
+        the sandbox can run (root); else the run ends here, saying why."""
+        if os.geteuid() != 0:
+            self.finish("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
+        model = smollm2_path()
+        if model is None:
+            self.finish("needs the SmolLM2 package (scripts/setup) as a model file")
+        return model
+
+    def failed(self, host: CapyHost, exc: Exception) -> NoReturn:
+        """End with what broke the run, and the daemon's last journal lines."""
+        journal = host.daemon_journal(20) if host.booted else ""
+        self.finish(f"{type(exc).__name__}: {str(exc)[:400]}" + (f"\n{journal[-1500:]}" if journal else ""))
+        raise AssertionError("unreachable: finish() with an error exits")
 
 
 def deploy_all(host: CapyHost, registration: str, engine: str, names: list[str], model: str) -> None:

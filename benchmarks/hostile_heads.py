@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import errno
 import json
-import os
 import shutil
 import socket
 import statistics
@@ -47,7 +46,7 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _sandbox_daemon import (Watch, deploy_all, deployment_states, host_pid, open_files_limit,  # noqa: E402
+from _sandbox_daemon import (Report, Watch, deploy_all, deployment_states, host_pid, open_files_limit,  # noqa: E402
                              raise_open_files)
 from bench_summary import p99  # noqa: E402
 
@@ -293,25 +292,13 @@ def main() -> None:
                                  "keyed_clients": args.keyed, "keepalive": args.keepalive,
                                  "baseline_s": args.baseline_seconds, "attack_s": args.attack_seconds,
                                  "head_deadline_s": args.head_deadline, "deadline_slack_s": args.deadline_slack}
+    report = Report("hostile_heads", args.json, result)
 
-    def finish(error: str | None = None) -> None:
-        if error:
-            result["error"] = error
-            print(f"hostile_heads: {error}", file=sys.stderr)
-        if args.json:
-            args.json.write_text(json.dumps(result))
-        if error:
-            sys.exit(1)
-
-    if os.geteuid() != 0:
-        finish("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
+    model = report.model_or_end()
     # Here, not above: the attacker's process (this file too) starts sooner without them.
     from daemon_scale import instant_engine
     from proxy_vs_nginx import find_nginx
-    from tests.integration.capyhost import CapyHost, smollm2_path
-    model = smollm2_path()  # any file will do: the instant engine never reads it
-    if model is None:
-        finish("needs the SmolLM2 package (scripts/setup) as a model file")
+    from tests.integration.capyhost import CapyHost
     nginx = find_nginx(args.nginx)
     host = CapyHost()
     host.boot()
@@ -357,12 +344,11 @@ def main() -> None:
                        "daemon": {"fds_peak": watch.fds_peak, "rss_peak_bytes": watch.rss_peak},
                        "states_after": deployment_states(host)})
     except Exception as exc:  # noqa: BLE001 - the bench reports why and the run goes on
-        journal = host.daemon_journal(20) if host.booted else ""
-        finish(f"{type(exc).__name__}: {str(exc)[:400]}" + (f"\n{journal[-1500:]}" if journal else ""))
+        report.failed(host, exc)
     finally:
         host.teardown()
     print(render(result))
-    finish()
+    report.finish()
 
 
 def render(result: dict) -> str:
@@ -385,7 +371,7 @@ def render(result: dict) -> str:
               f"not accepted: {_counts(heads['connect_failed'])}",
               f"  answered before closing: {_counts(heads['answered'])}; closed without an answer: "
               f"{heads['closed_silently']}; open at the end: {heads['open_at_end']}",
-              f"  closed by the server after (s from opening): "
+              "  closed by the server after (s from opening): "
               + (f"min {min(closed):.1f}, median {statistics.median(closed):.1f}, max {max(closed):.1f}" if closed
                  else "none closed"),
               f"  head deadline {result['head_deadline_s']:.0f} s (+{result['deadline_slack_s']:.0f} s): "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -36,10 +35,10 @@ import aiohttp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
-from _sandbox_daemon import (Watch, deploy_all, deployment_states, host_pid, open_files_limit, proc_status,  # noqa: E402
-                             raise_open_files)
+from _sandbox_daemon import (Report, Watch, deploy_all, deployment_states, host_pid, open_files_limit,  # noqa: E402
+                             proc_status, raise_open_files)
 from bench_summary import p99  # noqa: E402
-from tests.integration.capyhost import CapyHost, smollm2_path  # noqa: E402
+from tests.integration.capyhost import CapyHost  # noqa: E402
 
 # The stand-in runs with the system's python3 inside the engine's unit (standard library only);
 # its script is copied where the unit can read it.
@@ -162,22 +161,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result: dict[str, object] = {"deployments": args.deployments, "chunks": args.chunks, "interval_s": args.interval}
+    report = Report("streams_scale", args.json, result)
 
-    def finish(error: str | None = None) -> None:
-        if error:
-            result["error"] = error
-            print(f"streams_scale: {error}", file=sys.stderr)
-        if args.json:
-            args.json.write_text(json.dumps(result))
-        if error:
-            sys.exit(1)
-
-    if os.geteuid() != 0:
-        finish("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
-    model = smollm2_path()  # any file will do: the stand-in never reads it
+    model = report.model_or_end()
     python = shutil.which("python3", path="/usr/bin:/bin")
-    if model is None or python is None:
-        finish("needs the SmolLM2 package (scripts/setup) as a model file, and /usr/bin/python3 for the stand-in")
+    if python is None:
+        report.finish("needs the system's python3 (/usr/bin) for the stand-in engine")
     raise_open_files()  # a connection a stream, all at once
     host = CapyHost().boot()
     try:
@@ -214,12 +203,11 @@ def main() -> None:
                        "rss_bytes": {"before": before, "peak": max(watch.rss_peak, before), "after": after["rss"],
                                      "hwm": after["hwm"], "samples": watch.samples}})
     except Exception as exc:  # noqa: BLE001 - the bench reports why and the run goes on
-        journal = host.daemon_journal(20) if host.booted else ""
-        finish(f"{type(exc).__name__}: {str(exc)[:400]}" + (f"\n{journal[-1500:]}" if journal else ""))
+        report.failed(host, exc)
     finally:
         host.teardown()
     print(render(result))
-    finish()
+    report.finish()
 
 
 def render(result: dict) -> str:

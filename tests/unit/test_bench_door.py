@@ -202,3 +202,15 @@ async def test_the_attacker_holds_its_heads_trickling_and_counts_the_server_answ
     assert set(report["answered"]) == {"408"} and report["closed_silently"] == 0
     # Every connection closed was answered first (one still open at the end may be answered or not yet).
     assert report["connected"] - report["open_at_end"] <= report["answered"]["408"] <= report["connected"]
+
+
+def test_a_benchmark_that_cannot_measure_writes_why_and_exits_1(tmp_path, capsys):
+    from _sandbox_daemon import Report
+    out = tmp_path / "bench.json"
+    report = Report("streams_scale", out, {"streams": 10})
+    with pytest.raises(SystemExit) as ended:
+        report.finish("needs root")
+    assert ended.value.code == 1 and json.loads(out.read_text()) == {"streams": 10, "error": "needs root"}
+    assert capsys.readouterr().err == "streams_scale: needs root\n"
+    Report("streams_scale", out, {"streams": 10, "done": 10}).finish()  # measured: written, no exit
+    assert json.loads(out.read_text()) == {"streams": 10, "done": 10}
