@@ -2,8 +2,8 @@
 proxy_vs_nginx.py: what CapyCTL's proxy would cost if its own work (key check, the body's
 model, admission, metrics, errors, keep-alive and pipelining rules) were free.
 
-It runs on the daemon's event loop (uvloop), with asyncio protocols and httptools' response
-parser, as CapyCTL's front and engine client do; one engine connection per client connection,
+It runs on the daemon's event loop (uvloop), with asyncio protocols and httptools' parser (the
+one CapyCTL's engine client uses for answers); one engine connection per client connection,
 reopened when the engine closes it. It takes only what the benchmarks send: a POST with a
 Content-Length body, answered with the engine's status and body; every request goes to
 POST /v1/chat/completions with the engine's key. Nothing here is CapyCTL: no key is checked,

@@ -22,7 +22,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 MiB = 1 << 20
 # The goals of issue 14's table.
-GOAL_ADDED_MEDIAN_S = 0.25e-3  # at most 0.25 ms over direct
+# Issue 45: with aiohttp's server facing every client, at most this over direct (paired by turn).
+GOAL_ADDED_MEDIAN_S = 0.70e-3
 GOAL_MEDIAN_VS_NGINX = 1.02  # at most 1.02x nginx's total
 GOAL_P95_VS_NGINX = 1.05
 GOAL_TTFC_VS_NGINX = 1.03
@@ -30,6 +31,21 @@ GOAL_STREAM_VS_DIRECT = 0.99  # at least, at 1, 8 and 64 streams
 GOAL_WAKE_VS_MANUAL = 1.10
 GOAL_IDLE_RSS = 64 * MiB
 GOAL_RSS_GROWTH = 2 * MiB  # "flat": after 100,000 requests at most this much above the few-request figure
+# Issue 45's goals for the door. daemon_scale.py: at least half the requests/s issue 32's front reached.
+GOAL_SCALE_RPS = 2848
+# streams_scale.py: streamed requests at once across the deployments, none dropped or cut.
+GOAL_STREAMS = 1000
+GOAL_STREAMS_LOST = 0
+# hostile_heads.py: every keyed request answered during the attack, their p99 at most this times
+# the same clients' p99 without it, and no half head outliving the head deadline.
+GOAL_HOSTILE_FAILED = 0
+GOAL_HOSTILE_P99 = 2.0
+GOAL_HOSTILE_OUTLIVED = 0
+# proxy_hop.py: the proxy's own engine client stays only if it saves at least this a request over
+# aiohttp's client (issue 45); the row says KEEP or DELETE.
+ENGINE_CLIENT_PAYS_S = 100e-6
+# proxy_hop.py's name for that proxy whose engine exchanges go through aiohttp's client.
+AIOHTTP_CLIENT = "capyctl-aiohttp-client"
 # Issue 31's goals for contention.py: models taking turns on room for one.
 GOAL_CONTENTION_FAILED = 0  # no failed request
 GOAL_CONTENTION_SHARE = 0.2  # each model at least a fifth of the answers
@@ -323,10 +339,10 @@ def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
     rows = [Row("one hop over direct, instant engine (median)",
                 f"{capy * 1e6:.0f} us vs nginx's {nginx * 1e6:.0f} us ({_x(_ratio(capy, nginx))})"
                 + (f"; proxy CPU {cpu * 1e6:.0f} us/request" if cpu else ""), "(profile)", "info")]
-    plain = hop["hop_s"].get("capyctl-aiohttp")
-    if plain is not None:  # the same proxy with its front off, in the same run
-        plain_cpu = hop.get("cpu_per_request_s", {}).get("capyctl-aiohttp")
-        rows.append(Row("one hop, the proxy's front off (aiohttp's server alone)",
+    plain = hop["hop_s"].get(AIOHTTP_CLIENT)
+    if plain is not None:  # the same proxy reaching its engine through aiohttp's client, in the same run
+        plain_cpu = hop.get("cpu_per_request_s", {}).get(AIOHTTP_CLIENT)
+        rows.append(Row("one hop, the engine reached through aiohttp's client",
                         f"{plain * 1e6:.0f} us" + (f"; proxy CPU {plain_cpu * 1e6:.0f} us/request" if plain_cpu else ""),
                         "(baseline)", "info"))
     floor = hop["hop_s"].get("floor")
@@ -336,6 +352,103 @@ def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
                         f"{floor * 1e6:.0f} us" + (f"; CPU {floor_cpu * 1e6:.0f} us/request" if floor_cpu else ""),
                         "(floor)", "info"))
     return rows
+
+
+def engine_client_row(hop: dict[str, Any] | None) -> Row:
+    """Issue 45: whether the proxy's hand-made engine client pays for itself, from proxy_hop.py's
+    two proxies in the same run (latency paired by turn, and the proxy's CPU per request)."""
+    goal = f"keep if >= {ENGINE_CLIENT_PAYS_S * 1e6:.0f} us"
+    saved = (hop or {}).get("engine_client_saves")
+    if not saved:
+        why = (hop or {}).get("error") or ("proxy_hop.py wrote no result" if not hop else
+                                           "proxy_hop.py measured no aiohttp engine client in this run")
+        return Row("engine client: what the hand-made one saves a request", why, goal, "n/a")
+    latency, cpu = saved["latency_s"], saved.get("cpu_s")
+    med = hop.get("median_s") or {}
+    return Row(f"engine client: hand-made saves {latency * 1e6:.0f} us a request",
+               f"median {_us(med.get('capyctl'))} against {_us(med.get(AIOHTTP_CLIENT))} through aiohttp's client"
+               + (f"; proxy CPU {cpu * 1e6:.0f} us a request less" if cpu is not None else ""),
+               goal, "KEEP" if latency >= ENGINE_CLIENT_PAYS_S else "DELETE", latency)
+
+
+def _us(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 1e6:.0f} us"
+
+
+def scale_row(scale: dict[str, Any] | None) -> Row:
+    """Issue 45: the daemon's throughput with 8 deployments (daemon_scale.py) at least half of what
+    issue 32's front reached."""
+    count = len((scale or {}).get("deployments") or {}) or 8
+    measure, goal = f"{count} deployments behind one daemon: requests/s", f">= {GOAL_SCALE_RPS:,}/s"
+    if not scale or scale.get("total_rps") is None:
+        return Row(measure, (scale or {}).get("error") or "daemon_scale.py wrote no result", goal, "n/a")
+    rps = scale["total_rps"]
+    return Row(measure, f"{rps:,.0f}/s ({scale.get('requests', 0):,} requests at {scale.get('concurrency')} at once)",
+               goal, judge(rps, GOAL_SCALE_RPS, at_most=False), rps)
+
+
+def streams_row(streams: dict[str, Any] | None) -> Row:
+    """Issue 45: streamed requests at once across the deployments (streams_scale.py), every one
+    ending with [DONE], and the daemon's RSS before, at its peak and after, reported."""
+    goal = f"{GOAL_STREAMS_LOST} dropped or cut of {GOAL_STREAMS:,}; RSS reported"
+    if not streams or streams.get("streams") is None or streams.get("done") is None:
+        return Row(f"{GOAL_STREAMS:,} streams across 8 deployments: dropped or cut",
+                   (streams or {}).get("error") or "streams_scale.py wrote no result", goal, "n/a")
+    n, lost = streams["streams"], streams["streams"] - streams["done"]
+    rss = streams.get("rss_bytes") or {}
+    reported = all(rss.get(k) is not None for k in ("before", "peak", "after"))
+    ok = lost <= GOAL_STREAMS_LOST and n >= GOAL_STREAMS and reported
+    by = streams.get("lost_by") or {}
+    return Row(f"{n:,} streams across {streams.get('deployments', 8)} deployments: dropped or cut",
+               f"{lost} of {n:,} ({_codes(by)}); daemon RSS {_mib(rss.get('before'))} before, "
+               f"{_mib(rss.get('peak'))} peak, {_mib(rss.get('after'))} after"
+               + (f"; a stream {_s(streams.get('median_stream_s'))} median" if streams.get("median_stream_s") else "")
+               + ("" if n >= GOAL_STREAMS else f" (fewer streams than the goal's {GOAL_STREAMS:,})"),
+               goal, "PASS" if ok else "MISS", lost)
+
+
+def hostile_rows(hostile: dict[str, Any] | None) -> list[Row]:
+    """Issue 45: 8 keyed clients while one client holds thousands of half-sent heads
+    (hostile_heads.py): all answered, their p99 against the same clients without the attack, and
+    the half heads closed by the head deadline; then what the attacker's connections met."""
+    answered_m, p99_m = "hostile load: keyed requests failed during the attack", "hostile load: keyed p99 vs no attack"
+    closed_m = "hostile load: half heads outliving the head deadline"
+    answered_g, p99_g = f"<= {GOAL_HOSTILE_FAILED}", f"<= {GOAL_HOSTILE_P99:.1f}x"
+    closed_g = f"<= {GOAL_HOSTILE_OUTLIVED}"
+    keyed = (hostile or {}).get("keyed") or {}
+    base, attack = keyed.get("baseline"), keyed.get("attack")
+    if not base or not attack:
+        why = (hostile or {}).get("error") or "hostile_heads.py wrote no result"
+        return [Row(answered_m, why, answered_g, "n/a"), Row(p99_m, why, p99_g, "n/a"), Row(closed_m, why, closed_g, "n/a")]
+    failed = attack["failed"]
+    rows = [Row(answered_m, f"{failed} of {attack['requests']} ({_codes(attack.get('failed_by') or {})}); "
+                            f"without the attack {base['failed']} of {base['requests']}",
+                answered_g, judge(failed if attack["requests"] else None, GOAL_HOSTILE_FAILED, at_most=True), failed)]
+    r = _ratio(attack.get("p99_s"), base.get("p99_s"))
+    rows.append(Row(p99_m, f"{_x(r)} ({_ms(attack.get('p99_s'))} vs {_ms(base.get('p99_s'))}; p50 "
+                           f"{_ms(attack.get('p50_s'))} vs {_ms(base.get('p50_s'))})",
+                    p99_g, judge(r, GOAL_HOSTILE_P99, at_most=True), r))
+    heads = hostile.get("attacker") or {}
+    deadline = hostile.get("head_deadline_s")
+    outlived = heads.get("outlived_deadline")
+    rows.append(Row(closed_m, f"{outlived} of {heads.get('connected', 0)} accepted (deadline {_s(deadline)}); "
+                              f"closed by the server after {_spread(heads.get('closed_after_s'))}",
+                    closed_g, judge(outlived if heads.get("connected") else None, GOAL_HOSTILE_OUTLIVED,
+                                    at_most=True), outlived))
+    rows.append(Row("hostile load: the attacker's connections",
+                    f"{heads.get('attempts', 0)} tried from {heads.get('address', '?')}, {heads.get('connected', 0)} "
+                    f"accepted, {sum((heads.get('connect_failed') or {}).values())} not "
+                    f"({_codes(heads.get('connect_failed') or {})}); answered "
+                    f"{_codes(heads.get('answered') or {})}; closed without an answer {heads.get('closed_silently', 0)}; "
+                    f"open at the end {heads.get('open_at_end', 0)}", "(attack)", "info"))
+    return rows
+
+
+def _spread(values: Sequence[float] | None) -> str:
+    """Seconds as min / median / max, for when the server closed the attacker's connections."""
+    if not values:
+        return "none closed"
+    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f} s (min / median / max)"
 
 
 def _s(value: float | None) -> str:
@@ -500,6 +613,8 @@ def evaluate(results: dict[str, Any]) -> list[Row]:
     """Every row of issue 14's table (then one hop's and LiteLLM's), from the benchmarks' JSON results by name."""
     pvn = results.get("proxy_vs_nginx")
     return [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale")),
+            scale_row(results.get("daemon_scale")), streams_row(results.get("streams_scale")),
+            *hostile_rows(results.get("hostile_heads")), engine_client_row(results.get("proxy_hop")),
             *contention_rows(results.get("contention")), *kv_park_rows(results.get("kv_park")),
             *outside_client_rows(results.get("outside_client")),
             *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
@@ -560,7 +675,7 @@ def write_latency_chart(panels: dict[str, dict[str, list[float]]], path: Path) -
     except ImportError:
         return None
     colors = {"direct": "tab:gray", "nginx": "tab:green", "capyctl": "tab:blue", "litellm": "tab:red",
-              "capyctl-aiohttp": "tab:purple", "floor": "tab:olive"}
+              AIOHTTP_CLIENT: "tab:purple", "floor": "tab:olive"}
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (title, series) in zip(axes[0], panels.items()):
         for name, values in series.items():

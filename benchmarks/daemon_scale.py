@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,7 +31,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from bench_summary import p99, render_scale  # noqa: E402
 from proxy_vs_nginx import find_nginx  # noqa: E402
-from tests.integration.capyhost import CapyHost, smollm2_path  # noqa: E402
+from _sandbox_daemon import Report, deploy_all  # noqa: E402
+from tests.integration.capyhost import CapyHost  # noqa: E402
 
 # The engine's one answer to every POST: a completion that is both a chat completion (message)
 # and a text completion (text), so the daemon's post-start proof reads text from either route.
@@ -70,12 +70,16 @@ cmd: ["/bin/sh", "-c", "sed s/@PORT@/$1/ {template} > /tmp/nginx.conf && exec {n
 health: /health
 capabilities: [chat, completions]
 """
-DEPLOYMENT = """\
-name: {name}
-engine: instant
-model: {{path: {model}}}
-resources: {{ram: 256MiB}}
-"""
+
+
+def instant_engine(host: CapyHost, nginx: str) -> str:
+    """The instant engine's registration, its nginx configuration template written where the
+    engine's unit can read it."""
+    template = host.root / "instant-engine.conf"
+    template.write_text(ENGINE_CONF.replace("@ANSWER@", ANSWER))
+    template.chmod(0o644)
+    host.root.chmod(0o755)
+    return ENGINE_REGISTRATION.format(template=template, nginx=nginx)
 
 
 def rss(host: CapyHost, pid: int) -> dict[str, int]:
@@ -122,36 +126,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result: dict[str, object] = {"requests": args.requests, "concurrency": args.concurrency}
+    report = Report("daemon_scale", args.json, result)
 
-    def finish(error: str | None = None) -> None:
-        if error:
-            result["error"] = error
-            print(f"daemon_scale: {error}", file=sys.stderr)
-        if args.json:
-            args.json.write_text(json.dumps(result))
-        if error:
-            sys.exit(1)
-
-    if os.geteuid() != 0:
-        finish("needs root: CapyCTL runs in a sandbox with systemd as PID 1")
-    model = smollm2_path()  # any file will do: the instant engine never reads it
-    if model is None:
-        finish("needs the SmolLM2 package (scripts/setup) as a model file")
+    model = report.model_or_end()
     nginx = find_nginx(args.nginx)
     host = CapyHost().boot()
     try:
         host.start_daemon()
-        template = host.root / "instant-engine.conf"
-        template.write_text(ENGINE_CONF.replace("@ANSWER@", ANSWER))
-        template.chmod(0o644)
-        host.root.chmod(0o755)
-        registration = host.write_manifest("instant-engine", ENGINE_REGISTRATION.format(template=template,
-                                                                                        nginx=nginx))
-        host.cli("engine", "add", "--file", str(registration))
         names = [f"instant-{i}" for i in range(args.deployments)]
-        for name in names:
-            manifest = host.write_manifest(name, DEPLOYMENT.format(name=name, model=model))
-            host.cli("deploy", "model", "--file", str(manifest), "--activate", "--wait")
+        deploy_all(host, instant_engine(host, nginx), "instant", names, model)
         key = host.create_key("--name", "bench")
         pid = host.daemon_pid()
 
@@ -176,15 +159,14 @@ def main() -> None:
                                    "p99_s": p99(v)} for name, v in samples.items()},
         })
     except Exception as exc:  # noqa: BLE001 - the bench reports why and the run goes on
-        journal = host.daemon_journal(20) if host.booted else ""
-        finish(f"{type(exc).__name__}: {str(exc)[:400]}" + (f"\n{journal[-1500:]}" if journal else ""))
+        report.failed(host, exc)
     finally:
         host.teardown()
     print(render_scale(result))
     print(f"daemon idle RSS after {args.requests:,} requests: {result['rss_after_bytes'] / 2**20:.1f} MiB "
           f"({(result['rss_after_bytes'] - result['rss_few_bytes']) / 2**20:+.1f} MiB); "
           f"peak {result['rss_peak_bytes'] / 2**20:.1f} MiB")
-    finish()
+    report.finish()
 
 
 if __name__ == "__main__":

@@ -8,14 +8,17 @@ Three paths, alternated request by request in an order shuffled each turn (proxy
 - nginx: client -> nginx (its own process, one worker, keepalive upstream, proxy_buffering off) -> engine;
 - capyctl: client -> the CapyCTL proxy in its own process (benchmarks/_one_engine_proxy.py,
   key checked against a real SQLite store as the daemon does) -> engine;
-- capyctl-aiohttp: the same proxy with its front turned off (CAPYCTL_PROXY_FRONT=aiohttp), every
-  request through aiohttp's server: what the front saves, measured in the same run;
+- capyctl-aiohttp-client: the same proxy reaching the engine through aiohttp's ClientSession
+  instead of its own engine client (capyctl/proxy/_engine_side.py; _one_engine_proxy.py
+  --engine-client aiohttp): what the hand-made client saves, measured in the same run (issue 45
+  keeps it only if that is at least ENGINE_CLIENT_PAYS_S a request);
 - floor: benchmarks/_minimal_relay.py, the least a Python proxy on the same event loop and parser
   can do (no key, no model read, no admission, no metrics): how much of CapyCTL's hop is its own
   work rather than Python's.
 
-Prints median and p95 latency of each, the hop each proxy adds over direct, and the ratio of
-CapyCTL's hop to nginx's. ``--profile DIR`` records the proxy with py-spy while it runs and
+Prints median and p95 latency of each, the hop each proxy adds over direct, the ratio of
+CapyCTL's hop to nginx's, and what the hand-made engine client saves (latency paired by turn, and
+the proxy's CPU per request). ``--profile DIR`` records the proxy with py-spy while it runs and
 writes py-spy's flame graph (SVG), its collapsed stacks and the top functions there.
 Run: .venv/bin/python benchmarks/proxy_hop.py [--requests 2000] [--profile DIR]
 """
@@ -37,6 +40,9 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The path of the proxy reaching its engine through aiohttp's client, and what the hand-made client
+# must save a request to stay (issue 45), named where the table judges it.
+from bench_summary import AIOHTTP_CLIENT, ENGINE_CLIENT_PAYS_S  # noqa: E402
 from proxy_overhead import CLIENT_KEY, free_port, p95, shuffled  # noqa: E402
 from proxy_vs_nginx import find_nginx, start_nginx, wait_healthy  # noqa: E402
 
@@ -70,6 +76,15 @@ PROXY_SERVER = """\
             proxy_buffering off;
         }}
     }}"""
+
+
+def engine_client_saves(latency: dict[str, list[float]], cpu: dict[str, float]) -> dict[str, float]:
+    """What the proxy's own engine client saves over aiohttp's: the median of the latency
+    differences turn by turn (each turn took one request on every path, so a turn's two samples
+    saw the same machine), and the difference of the proxy's CPU per request."""
+    pairs = zip(latency[AIOHTTP_CLIENT], latency["capyctl"])
+    return {"latency_s": statistics.median(a - b for a, b in pairs),
+            "cpu_s": cpu[AIOHTTP_CLIENT] - cpu["capyctl"]}
 
 
 async def one(http: aiohttp.ClientSession, url: str, key: str) -> float:
@@ -147,12 +162,12 @@ def main() -> None:
         for name, server in servers.items():
             processes.append(start_nginx(nginx, prefix / name, server, stderr=subprocess.DEVNULL))
         proxies = {}
-        for name, port, front in (("capyctl", proxy_port, "auto"), ("capyctl-aiohttp", plain_port, "aiohttp")):
+        for name, port, client in (("capyctl", proxy_port, "own"), (AIOHTTP_CLIENT, plain_port, "aiohttp")):
             proxies[name] = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
                  "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", "launch",
-                 "--port", str(port), "--store", str(prefix / "state.db")],
-                stdout=subprocess.DEVNULL, env={**os.environ, "CAPYCTL_PROXY_FRONT": front})
+                 "--port", str(port), "--store", str(prefix / "state.db"), "--engine-client", client],
+                stdout=subprocess.DEVNULL)
             processes.append(proxies[name])
         proxies["floor"] = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve().parent / "_minimal_relay.py"), "--upstream-port",
@@ -162,7 +177,7 @@ def main() -> None:
         paths = {"direct": (f"http://127.0.0.1:{engine_port}", CLIENT_KEY),
                  "nginx": (f"http://127.0.0.1:{nginx_port}", CLIENT_KEY),
                  "capyctl": (f"http://127.0.0.1:{proxy_port}", store_key),
-                 "capyctl-aiohttp": (f"http://127.0.0.1:{plain_port}", store_key),
+                 AIOHTTP_CLIENT: (f"http://127.0.0.1:{plain_port}", store_key),
                  "floor": (f"http://127.0.0.1:{floor_port}", CLIENT_KEY)}
         cpu: dict[str, float] = {}
         latency = asyncio.run(measure(paths, args.requests, {n: p.pid for n, p in proxies.items()}, cpu))
@@ -194,21 +209,28 @@ def main() -> None:
     hop = {name: med[name] - med["direct"] for name in paths if name != "direct"}
     print(f"machine: {os.cpu_count()} cpus; {args.requests} requests on each path, alternated; engine: nginx "
           "answering at once")
-    print(f"{'':24}" + "".join(f"{n:>17}" for n in paths))
-    print(f"{'median (us)':24}" + "".join(f"{med[n] * 1e6:>17.0f}" for n in paths))
-    print(f"{'p95 (us)':24}" + "".join(f"{tail[n] * 1e6:>17.0f}" for n in paths))
-    print(f"{'hop over direct (us)':24}{'':>17}" + "".join(f"{hop[n] * 1e6:>17.0f}" for n in paths if n in hop))
+    print(f"{'':24}" + "".join(f"{n:>24}" for n in paths))
+    print(f"{'median (us)':24}" + "".join(f"{med[n] * 1e6:>24.0f}" for n in paths))
+    print(f"{'p95 (us)':24}" + "".join(f"{tail[n] * 1e6:>24.0f}" for n in paths))
+    print(f"{'hop over direct (us)':24}{'':>24}" + "".join(f"{hop[n] * 1e6:>24.0f}" for n in paths if n in hop))
     # nginx's hop is tens of microseconds, within the noise of a busy machine: no ratio when it is not above 0.
     print("capyctl hop / nginx hop: " + (f"{hop['capyctl'] / hop['nginx']:.2f}x" if hop["nginx"] > 0 else
                                          "n/a (nginx's hop was within the noise)"))
     print(f"CapyCTL proxy CPU per request: {cpu['capyctl'] * 1e6:.0f} us "
-          f"(with its front off, aiohttp's server alone: {cpu['capyctl-aiohttp'] * 1e6:.0f} us)")
+          f"(through aiohttp's client to the engine: {cpu[AIOHTTP_CLIENT] * 1e6:.0f} us)")
+    saved = engine_client_saves(latency, cpu)
+    print(f"engine client: the hand-made one saves {saved['latency_s'] * 1e6:.0f} us a request (median of the "
+          f"differences turn by turn; medians {med['capyctl'] * 1e6:.0f} against {med[AIOHTTP_CLIENT] * 1e6:.0f} us) "
+          f"and {saved['cpu_s'] * 1e6:.0f} us of proxy CPU: "
+          + ("KEEP" if saved["latency_s"] >= ENGINE_CLIENT_PAYS_S else "DELETE")
+          + f" (issue 45 keeps it from {ENGINE_CLIENT_PAYS_S * 1e6:.0f} us)")
     print(f"floor, a minimal Python relay (_minimal_relay.py): hop {hop['floor'] * 1e6:.0f} us, "
           f"CPU {cpu['floor'] * 1e6:.0f} us/request")
     if args.json:
         args.json.write_text(json.dumps({"requests": args.requests, "median_s": med, "p95_s": tail,
                                          "hop_s": hop, "capyctl_per_request_s": cpu["capyctl"],
-                                         "cpu_per_request_s": cpu, "samples": latency}))
+                                         "cpu_per_request_s": cpu, "engine_client_saves": saved,
+                                         "samples": latency}))
     if args.profile and (args.profile / "proxy-hop.collapsed").exists():
         profile_report(args.profile / "proxy-hop.svg", args.profile / "proxy-hop.collapsed",
                        args.profile / "proxy-hop-top.txt")
