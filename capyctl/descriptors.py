@@ -56,7 +56,7 @@ def is_shortage(exc: BaseException | None) -> bool:
     aiohttp's ClientConnectorError is itself an OSError that copies the errno of the OSError it
     wraps (aiohttp/client_exceptions.py, ClientConnectorError.__init__; raised ``from exc`` in
     aiohttp/connector.py and in capyctl/proxy/connector.py), the proxy's own engine client raises
-    EngineConnectionError ``from`` the OSError (capyctl/proxy/_engine_side.py, EnginePool._connect),
+    EngineConnectionError ``from`` the OSError (capyctl/proxy/_engine_pool.py, EnginePool._connect),
     and a shortage already turned into :func:`shortage_error` counts too."""
     for _ in range(_CHAIN_MAX):
         if exc is None:

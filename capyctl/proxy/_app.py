@@ -25,7 +25,7 @@ from aiohttp import web
 from .. import descriptors
 from ..bodies import BodyBudget, lease_middleware
 from ..errors import CapyError
-from ._engine_side import make_engine_pool
+from ._engine_pool import make_engine_pool
 from ._errors import JSON_CONTENT_TYPE, anthropic_error_response, error_response
 from ._exchange import CLIENT_CLOSED, RESPONSE_ID, Exchange, MiB, ProxyState
 from ._intake import (

@@ -32,8 +32,7 @@ The lifecycles, as httpcore's pool keeps them::
   an answer's end (handing its connection to the next request) can do so while the parser is
   still reading that connection.
 
-An answer is read either by awaiting it (:meth:`EnginePool.request`, then ``readany``/``read``)
-or by a listener told of each event as it comes (:meth:`EnginePool.send_now`, :class:`AnswerListener`).
+An answer is read by awaiting it (:meth:`_engine_pool.EnginePool.request`, then ``readany``/``read``).
 Errors are :class:`EngineConnectionError` (the engine could not be reached, the connection broke,
 or the answer is not HTTP) and ``TimeoutError`` (connect timeout, or the exchange's deadline).
 """
@@ -43,10 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import functools
 import json
-import time
-import urllib.parse
 from typing import Any, Callable, Protocol
 
 try:
@@ -54,14 +50,15 @@ try:
 except ImportError:  # a platform without its wheel: the proxy uses aiohttp's client (make_engine_pool)
     httptools = None  # type: ignore[assignment]
 
-from ..descriptors import IDLE_ENGINE_CONNECTIONS
-from .connector import ENGINE_KEEPALIVE_S
 
 # Bytes of an answer buffered for the client before the engine's socket is read no further.
 BUFFER_HIGH = 256 * 1024
-# Idle connections kept per engine: enough for a burst of concurrent requests to find one (the
-# daemon's descriptor limit is checked against it at start: capyctl/descriptors.py).
-IDLE_PER_ENGINE_MAX = IDLE_ENGINE_CONNECTIONS
+
+
+class ConnectionPool(Protocol):
+    """Where a whole answer's connection goes back to (_engine_pool.EnginePool)."""
+
+    def put_back(self, connection: EngineConnection) -> None: ...
 
 
 class EngineConnectionError(ConnectionError):
@@ -80,20 +77,6 @@ class ConnectionState(enum.Enum):
     IDLE = "idle"  # no exchange: in the pool, or just connected
     ACTIVE = "active"  # carrying one exchange
     CLOSED = "closed"
-
-
-class AnswerListener(Protocol):
-    """Told of an answer's events as they come (:meth:`EnginePool.send_now`), in this order:
-    ``on_head`` once, ``on_body`` for each piece, then ``on_end`` or ``on_error`` (which may also
-    come first). The answer's ``state`` is already the new one when each is called."""
-
-    def on_head(self, response: EngineResponse) -> None: ...
-
-    def on_body(self, response: EngineResponse, data: bytes) -> None: ...
-
-    def on_end(self, response: EngineResponse) -> None: ...
-
-    def on_error(self, response: EngineResponse, error: BaseException) -> None: ...
 
 
 class _AnswerReader:
@@ -258,8 +241,8 @@ class EngineConnection(asyncio.Protocol):
 class EngineResponse:
     """An engine's answer: status and headers first, then its body whole or piece by piece."""
 
-    def __init__(self, pool: EnginePool, connection: EngineConnection, loop: asyncio.AbstractEventLoop,
-                 listener: AnswerListener | None = None) -> None:
+    def __init__(self, pool: ConnectionPool, connection: EngineConnection, loop: asyncio.AbstractEventLoop,
+                 ) -> None:
         self.state = AnswerState.AWAITING_HEAD
         self.status = 0
         self.error: BaseException | None = None
@@ -267,7 +250,6 @@ class EngineResponse:
         self._pool = pool
         self._connection = connection
         self._loop = loop
-        self._listener = listener
         self._headers: dict[bytes, bytes] = {}  # by lower-case name
         self._keep_alive = False
         # Plain futures, not asyncio.Event: one per wait, set from the connection's callbacks.
@@ -275,7 +257,7 @@ class EngineResponse:
         self._reader: asyncio.Future[None] | None = None  # readany waiting for data
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
-        self._paused = False  # reading paused: more than BUFFER_HIGH waits, or the listener asked
+        self._paused = False  # reading paused: more than BUFFER_HIGH waits for the client
         self._released = False
         self._deadline: asyncio.TimerHandle | None = None
         self._on_close: Callable[[], None] | None = None
@@ -337,7 +319,7 @@ class EngineResponse:
         return json.loads(await self.read())
 
     def pause_reading(self) -> None:
-        """Read the engine's socket no further (a listener's client is slower than the engine)."""
+        """Read the engine's socket no further (the client is slower than the engine)."""
         if not self._paused and not self._released:
             self._paused = True
             self._connection.pause_reading()
@@ -352,7 +334,6 @@ class EngineResponse:
         if self._released:
             return
         self._released = True
-        self._listener = None  # (told nothing more; and the two no longer hold each other)
         self._cancel_deadline()
         connection = self._connection
         connection.finish()
@@ -377,14 +358,9 @@ class EngineResponse:
         self.state = AnswerState.BODY
         self.status, self._headers, self._keep_alive, self.until_close = status, headers, keep_alive, until_close
         self._wake_head()
-        if self._listener is not None:
-            self._listener.on_head(self)
 
     def body_arrived(self, data: bytes) -> None:
         if self.state is not AnswerState.BODY or self._released:
-            return
-        if self._listener is not None:
-            self._listener.on_body(self, data)
             return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -399,8 +375,6 @@ class EngineResponse:
         self._cancel_deadline()
         self._wake_head()
         self._wake_reader()
-        if self._listener is not None and not self._released:
-            self._listener.on_end(self)
 
     def failed(self, error: BaseException) -> None:
         if self.state in (AnswerState.COMPLETE, AnswerState.FAILED):
@@ -410,8 +384,6 @@ class EngineResponse:
         self._cancel_deadline()
         self._wake_head()
         self._wake_reader()
-        if self._listener is not None and not self._released:
-            self._listener.on_error(self, error)
 
     # ------------------------------------------------------------ waiting
 
@@ -441,145 +413,3 @@ class EngineResponse:
         reader = self._reader
         if reader is not None and not reader.done():
             reader.set_result(None)
-
-
-class EnginePool:
-    """Keep-alive connections to engines, by base URL (see the module's docstring)."""
-
-    def __init__(self, *, connect_timeout: float) -> None:
-        self._connect_timeout = connect_timeout
-        self._idle: dict[str, collections.deque[EngineConnection]] = {}
-        self._closed = False
-
-    async def request(self, method: str, base_url: str, path: str, body: bytes, headers: dict[str, str], *,
-                      unix_socket: str | None = None, timeout: float | None = None) -> EngineResponse:
-        """Send one request and wait for the answer's status and headers."""
-        authority, base_path, host, port = _split(base_url)
-        message = _message(method, authority, base_path + path, body, headers)
-        loop = asyncio.get_running_loop()
-        for attempt in (0, 1):
-            connection = self._idle_connection(base_url)
-            reused = connection is not None
-            if connection is None:
-                connection = await self._connect(loop, base_url, host, port, unix_socket)
-            response = EngineResponse(self, connection, loop)
-            if timeout is not None:
-                response.set_deadline(timeout)
-            connection.start(response, message)
-            try:
-                await response.wait_head()
-            except BaseException:
-                response.close()  # cancelled while waiting: the connection is dropped
-                raise
-            if response.state is not AnswerState.FAILED or response.has_head:
-                return response
-            response.close()
-            error = response.error
-            assert error is not None
-            if not (reused and isinstance(error, EngineConnectionError)) or attempt:
-                raise error
-            # A pooled connection the engine had closed: it never read the request. Once more, afresh.
-        raise AssertionError("unreachable")
-
-    def send_now(self, method: str, base_url: str, path: str, body: bytes, headers: dict[str, str],
-                 listener: AnswerListener, *, timeout: float | None = None) -> EngineResponse | None:
-        """Send one request on an idle kept-alive connection, without waiting: its answer, whose
-        events ``listener`` is told of; None, with nothing sent, when no idle connection to
-        ``base_url`` is at hand. The caller then uses :meth:`request`, and does the same when the
-        answer fails before its head on this reused connection (the engine closed it as we wrote:
-        :meth:`request` sends once more)."""
-        connection = self._idle_connection(base_url)
-        if connection is None:
-            return None
-        authority, base_path, _, _ = _split(base_url)
-        response = EngineResponse(self, connection, asyncio.get_running_loop(), listener)
-        if timeout is not None:
-            response.set_deadline(timeout)
-        try:
-            connection.start(response, _message(method, authority, base_path + path, body, headers))
-        except Exception:  # (a transport closed under us) not sent: the caller's request() sends it
-            response.close()
-            return None
-        return response
-
-    def idle(self) -> list[EngineConnection]:
-        """The idle connections kept now, of every engine."""
-        return [connection for connections in self._idle.values() for connection in connections]
-
-    def put_back(self, connection: EngineConnection) -> None:
-        """A connection whose answer was whole: idle in the pool until reused or too old."""
-        if self._closed:
-            connection.close()
-            return
-        connections = self._idle.setdefault(connection.pool_key, collections.deque())
-        connection.released_at = time.monotonic()
-        connections.append(connection)
-        # Drop the connections idle too long (the engine closes them soon) and any past the cap.
-        oldest_usable = connection.released_at - ENGINE_KEEPALIVE_S
-        while connections and (connections[0].released_at <= oldest_usable or not connections[0].reusable
-                               or len(connections) > IDLE_PER_ENGINE_MAX):
-            connections.popleft().close()
-
-    def close(self) -> None:
-        self._closed = True
-        for connections in self._idle.values():
-            for connection in connections:
-                connection.close()
-        self._idle.clear()
-
-    def _idle_connection(self, base_url: str) -> EngineConnection | None:
-        connections = self._idle.get(base_url)
-        if not connections:
-            return None
-        oldest_usable = time.monotonic() - ENGINE_KEEPALIVE_S
-        while connections:
-            connection = connections.pop()  # the most recently used is the likeliest still open
-            if connection.reusable and connection.released_at > oldest_usable:
-                return connection
-            connection.close()
-        return None
-
-    async def _connect(self, loop: asyncio.AbstractEventLoop, base_url: str, host: str, port: int,
-                       unix_socket: str | None) -> EngineConnection:
-        try:
-            async with asyncio.timeout(self._connect_timeout):
-                if unix_socket is not None:
-                    _, connection = await loop.create_unix_connection(lambda: EngineConnection(base_url), unix_socket)
-                else:
-                    _, connection = await loop.create_connection(lambda: EngineConnection(base_url), host, port)
-        except TimeoutError:
-            raise
-        except OSError as exc:
-            raise EngineConnectionError(f"cannot connect to {unix_socket or f'{host}:{port}'}: {exc}") from exc
-        return connection
-
-
-def make_engine_pool(*, connect_timeout: float) -> EnginePool | None:
-    """The proxy's client to engines; None where httptools is not installed."""
-    return EnginePool(connect_timeout=connect_timeout) if httptools is not None else None
-
-
-def _message(method: str, authority: str, target: str, body: bytes, headers: dict[str, str]) -> bytes:
-    """One request's bytes: head and body, written in one go."""
-    return _head_of(method, authority, target, tuple(headers.items())) + b"Content-Length: %d\r\n\r\n" % len(body) + body
-
-
-@functools.lru_cache(maxsize=256)
-def _head_of(method: str, authority: str, target: str, headers: tuple[tuple[str, str], ...]) -> bytes:
-    """A request head but its length: the same few per engine and route, formatted once."""
-    head = [f"{method} {target} HTTP/1.1\r\nHost: {authority}\r\n"]
-    head += [f"{name}: {value}\r\n" for name, value in headers]
-    return "".join(head).encode("latin-1")
-
-
-@functools.lru_cache(maxsize=4096)
-def _split(base_url: str) -> tuple[str, str, str, int]:
-    """``http://host:port/prefix`` -> ("host:port", "/prefix", "host", port)."""
-    parts = urllib.parse.urlsplit(base_url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise EngineConnectionError(f"engines are reached over plain HTTP at a host, not {base_url!r}")
-    try:
-        port = parts.port or 80
-    except ValueError:
-        raise EngineConnectionError(f"the engine's URL has no valid port: {base_url!r}") from None
-    return parts.netloc, parts.path.rstrip("/"), parts.hostname, port

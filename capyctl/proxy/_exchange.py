@@ -79,7 +79,7 @@ class Exchange:
     which the route handler returns to aiohttp's server)."""
 
     state: ProxyState
-    pool: Any  # _engine_side.EnginePool, or None where httptools is missing
+    pool: Any  # _engine_pool.EnginePool, or None where httptools is missing
     session: aiohttp.ClientSession | None
     request: web.Request
     deployment: str = ""

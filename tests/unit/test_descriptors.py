@@ -62,7 +62,7 @@ ENFILE = OSError(errno.ENFILE, os.strerror(errno.ENFILE))
     # aiohttp's connector wraps the OSError, copying its errno (aiohttp/client_exceptions.py).
     aiohttp.ClientConnectorError(KEY_OF, EMFILE),
     UnixClientConnectorError("/run/x.sock", KEY_OF, ENFILE),
-    # the proxy's engine client raises its own error from the OSError (_engine_side.EnginePool._connect)
+    # the proxy's engine client raises its own error from the OSError (_engine_pool.EnginePool._connect)
     _raised_from(EngineConnectionError, EMFILE, "cannot connect to /run/x.sock: Too many open files"),
     shortage_error("do a thing"),
 ], ids=["EMFILE", "ENFILE", "aiohttp-tcp", "aiohttp-unix", "engine-client", "already-ours"])

@@ -183,7 +183,7 @@ def test_the_proxy_package_has_no_import_cycle():
     assert [module for module in sorted(graph) if module in reach(module, set())] == []
     # Layers point down: the aiohttp wiring (_app) on intake, the relay and /v1/systemone; those on
     # the engine exchange (_upstream) and the request's state (_exchange); the engine client under all.
-    assert reach("_engine_side", set()) <= {"connector"}
+    assert reach("_engine_side", set()) == set() and reach("_engine_pool", set()) <= {"_engine_side", "connector"}
     for below in ("_exchange", "_intake", "_relay", "_upstream", "_systemone", "_sockets"):
         assert "_app" not in reach(below, set()), below
     assert "_intake" not in reach("_relay", set()) and "_relay" not in reach("_intake", set())
@@ -199,13 +199,10 @@ def test_no_module_of_the_proxy_imports_another_ones_private_names():
     assert imported == []
 
 
-# _engine_side.py (the proxy's own engine client) is kept as it is until issue 45's measurement
-# decides whether it stays (against aiohttp's client, docs/benchmarks.md): it is then either deleted
-# or split, and leaves this list.
-PROXY_FILE_LINES_MAX, PROXY_FILES_AWAITING_A_DECISION = 500, {"_engine_side.py"}
+PROXY_FILE_LINES_MAX = 500
 
 
 def test_no_file_of_the_proxy_is_over_500_lines():
     long = {path.name: n for path in PROXY.glob("*.py")
             if (n := len(path.read_text().splitlines())) > PROXY_FILE_LINES_MAX}
-    assert set(long) <= PROXY_FILES_AWAITING_A_DECISION, long
+    assert long == {}
