@@ -13,7 +13,7 @@ from aiohttp import web
 
 from capyctl.proxy import _engine_pool
 from capyctl.proxy._engine_pool import EnginePool
-from capyctl.proxy._engine_side import BUFFER_HIGH, AnswerState, EngineConnectionError, EngineResponse
+from capyctl.proxy._engine_side import BUFFER_HIGH, AnswerState, EngineConnectionError
 
 
 class _Engine:
