@@ -34,7 +34,10 @@ class EnginePool:
         message = _message(method, authority, base_path + path, body, headers)
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
-            connection = self._idle_connection(base_url)
+            # Once more on a new connection, never another pooled one: the engine may be closing
+            # all of them (llama-server closes one after a streamed answer, its head said
+            # keep-alive or not).
+            connection = self._idle_connection(base_url) if attempt == 0 else None
             reused = connection is not None
             if connection is None:
                 connection = await self._connect(loop, base_url, host, port, unix_socket)

@@ -192,6 +192,38 @@ async def test_a_pooled_connection_the_engine_closed_is_retried_once_on_a_new_on
         assert len(accepted) == 2
 
 
+async def test_the_retry_goes_out_on_a_new_connection_not_another_pooled_one():
+    # llama-server closes a connection after a streamed answer, though its head said keep-alive
+    # (cpp-httplib's chunked content provider): every pooled connection may be one it is closing.
+    accepted = []
+    both_answered = asyncio.Event()
+
+    async def handle(reader, writer):
+        accepted.append(writer)
+        n = len(accepted)
+        await _read_request(reader)
+        if n <= 2:
+            if n == 2:
+                both_answered.set()
+            await both_answered.wait()  # two requests at once: two connections in the pool
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            await _read_request(reader)  # the next request on it: read, never answered
+            writer.close()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\n{\"fresh\": 1}  ")
+        await writer.drain()
+        await reader.read()
+
+    async with _raw_engine(handle) as (url, pool):
+        for answer in await asyncio.gather(*(pool.request("POST", url, "/x", b"{}", {}) for _ in range(2))):
+            await answer.read()
+            answer.close()
+        assert len(pool.idle()) == 2
+        answer = await pool.request("POST", url, "/x", b"{}", {})
+        assert await answer.json() == {"fresh": 1} and len(accepted) == 3
+
+
 async def test_a_fresh_connection_that_breaks_before_an_answer_is_an_error_not_a_retry():
     requests = []
 
