@@ -3,8 +3,9 @@
 A sandboxed host (tests/integration/capyhost.py, as daemon_scale.py) with ``--deployments``
 deployments of a stand-in engine that streams (benchmarks/_sse_engine.py: OpenAI chat chunks one
 every ``--interval`` seconds, then ``data: [DONE]``; no model). Then ``--streams`` streamed chat
-requests, all sent at once and spread round-robin over the deployments, each asking for
-``--chunks`` chunks. Every stream is counted:
+requests, all sent at once and spread round-robin over the deployments and over CLIENT_ADDRESSES
+loopback addresses (the door's per-address cap stands for one user's connections), each asking
+for ``--chunks`` chunks. Every stream is counted:
 
 - done: status 200, every chunk, and ``data: [DONE]`` at its end;
 - cut: status 200 but the stream ended (or broke) before ``[DONE]`` or with chunks missing;
@@ -124,14 +125,25 @@ async def one_stream(http: aiohttp.ClientSession, url: str, key: str, stream: St
         stream.total_s = time.perf_counter() - started
 
 
+# The streams come from this many client addresses (127.0.0.1, .2, ...), as many users' would: the
+# door lets one address hold door.per_address_max connections (256 by default, docs/security.md).
+CLIENT_ADDRESSES = 8
+
+
 async def all_streams(url: str, key: str, names: list[str], count: int, chunks: int,
                       timeout: float) -> tuple[list[Stream], float]:
-    """``count`` streams at once, round-robin over ``names``."""
+    """``count`` streams at once, round-robin over ``names`` and over CLIENT_ADDRESSES addresses."""
     streams = [Stream(names[i % len(names)]) for i in range(count)]
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+    sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, local_addr=(f"127.0.0.{k + 1}", 0)))
+                for k in range(CLIENT_ADDRESSES)]
+    try:
         started = time.perf_counter()
-        await asyncio.gather(*(one_stream(http, url, key, s, chunks, timeout) for s in streams))
+        await asyncio.gather(*(one_stream(sessions[i % len(sessions)], url, key, s, chunks, timeout)
+                               for i, s in enumerate(streams)))
         return streams, time.perf_counter() - started
+    finally:
+        for http in sessions:
+            await http.close()
 
 
 def summarize(streams: list[Stream], chunks: int) -> dict[str, object]:

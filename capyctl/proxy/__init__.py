@@ -6,7 +6,7 @@ Router protocol the controller implements (:mod:`capyctl.proxy.router`).
 """
 
 from ._app import build_app, metrics_text
-from ._door import DoorSettings
+from ._door_settings import DoorSettings
 from ._exchange import MiB
 from ._keys import KeyGrant, KeyVerifier, StaticKeys, token_digest
 from ._sockets import listen_sockets_from_systemd, serve

@@ -1,46 +1,26 @@
 """The proxy's door: its listening socket's client connections, bounded under hostile load.
 
-aiohttp's web server reads and answers every request: one ``RequestHandler`` a connection
-(aiohttp/web_protocol.py), made by the AppRunner's ``web.Server`` (aiohttp/web_server.py,
-``Server.__call__``). :class:`DoorSite` serves that server as aiohttp's own SockSite and TCPSite
-do (aiohttp/web_runner.py: ``loop.create_server(runner.server, ...)``), with one
-:class:`DoorConnection` between each connection's transport and its RequestHandler: it passes
-every event on, and holds the connection to :class:`DoorSettings` (docs/security.md lists what a
-client sees past each limit):
+aiohttp's web server answers every request, one ``RequestHandler`` a connection made by the
+AppRunner's ``web.Server`` (aiohttp/web_protocol.py, web_server.py). :class:`DoorSite` serves it as
+aiohttp's SockSite and TCPSite do (web_runner.py), with a :class:`DoorConnection` between each
+transport and its RequestHandler that passes every event on and holds the connection to
+:class:`DoorSettings` (docs/security.md says what a client sees past each limit):
 
-- **the head deadline**: a request head must be whole within ``head_timeout`` of the
-  connection's start, or, on a kept-alive connection, of the first byte that follows the previous
-  answer (before that byte the connection is idle, and aiohttp's ``keepalive_timeout`` governs
-  it). Past it the connection is answered 408 ``request_head_timeout`` with ``Connection: close``
-  and closed (without the 408 where the previous answer is still unsent). Only head reading is
-  bounded: from the moment aiohttp hands a whole head to the application until the application
-  has answered it (a request waiting for its engine included), no deadline runs; a head begun while
-  the previous request was being answered (pipelined) is timed from its next byte after that
-  answer, or, if none comes, left to the keep-alive timeout like an idle connection;
-- **the connection cap**: at most ``connections_max`` client connections are open; past it a new
-  one is answered 503 ``too_many_connections``;
-- **the per-address cap**: at most ``per_address_max`` of them from one client address; past it
-  that address's new connections alone are answered 503 ``too_many_connections_from_address``;
-- **the keyed reserve**, the rule that keeps a flood of connections without a key (half-sent heads,
-  or idle ones) from starving the clients that have one. A connection is *keyed* once a request
-  on it carried a valid API key (:func:`key_accepted`, called where the proxy authorizes a key);
-  every connection starts unkeyed, since its first head has not been read yet. Unkeyed
-  connections may hold at most ``connections_max - keyed_reserve`` of the slots, so
-  ``keyed_reserve`` of them are only ever held by keyed connections. A new connection that would
-  pass that share, or the cap, takes the slot of the oldest unkeyed connection that is not being
-  answered (one waiting for, or part-way through, a head; or idle between requests): that one is
-  answered 503 ``too_many_connections`` if it is part-way through a head, or closed silently if it
-  is idle, as a server may close any idle kept-alive connection (aiohttp's keep-alive timeout does
-  the same). Only when no
-  unkeyed connection can give way is the new one refused. So keyed connections are never closed
-  for room, a keyed client's new connection gets in while the unkeyed ones are an attacker's half
-  heads, and each half head lives at most until ``head_timeout``, or until newer connections push
-  it out.
+- **the head deadline**: a head must be whole within ``head_timeout`` of the connection's start,
+  or of the first byte after the previous answer (an idle connection is the keep-alive timeout's);
+  else 408 ``request_head_timeout`` and closed (closed silently where the previous answer is still
+  unsent). No deadline runs while a request is being answered, a wait for its engine included;
+- **the connection cap**, ``connections_max``: past it, 503 ``too_many_connections``;
+- **the per-address cap**, ``per_address_max``: that address alone, 503 ``..._from_address``;
+- **the keyed reserve**: a connection is *keyed* once a request on it carried a valid API key
+  (:func:`key_accepted`); unkeyed connections hold at most ``connections_max - keyed_reserve``
+  slots. A new connection past that share or the cap takes the slot of the oldest unkeyed one that
+  has waited YIELD_AFTER_S for a head, or been idle as long (503 or closed silently); with none, it
+  waits unread up to WAIT_FOR_ROOM_S (a burst connecting at once is unkeyed until its heads are
+  read), then is refused; past the cap it is refused at once. Keyed ones never give way.
 
-A refused connection is kept only until its head is read (or ``REFUSED_LINGER_S``) so that its 503
-is read by the client rather than lost to a reset, and at most ``REFUSED_WAITING_MAX`` of them at
-once: past that, a refused connection is closed at once without an answer, so that refusals never
-hold more descriptors than that.
+A refused connection is kept until its head is read (at most ``REFUSED_LINGER_S``, and at most
+``REFUSED_WAITING_MAX`` at once), so that its 503 is read rather than lost to a reset.
 """
 
 from __future__ import annotations
@@ -48,16 +28,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-import http
 import socket
-from dataclasses import dataclass
-from email.utils import formatdate
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
 from ..errors import CapyError
-from ._errors import error_parts
+from ._door_settings import DoorSettings
+from ._door_wire import client_address, closing_answer
 
 # A refused connection waits this long at most for its head, then is closed without an answer.
 REFUSED_LINGER_S = 2.0
@@ -65,42 +43,22 @@ REFUSED_LINGER_S = 2.0
 REFUSED_WAITING_MAX = 128
 # Bytes of a refused connection's head read at most: its 503 goes out at its blank line or here.
 REFUSED_HEAD_MAX = 16 * 1024
+# A new connection past the unkeyed share with none to give way waits (unread) this long at most for
+# room, then is refused; at most WAITING_FOR_ROOM_MAX wait at once (refused at once past that).
+WAIT_FOR_ROOM_S = 2.0
+WAITING_FOR_ROOM_MAX = 1024
+# An unkeyed connection gives way only once it has waited this long for a head (or been idle): a
+# client that just connected has had no time to show its key.
+YIELD_AFTER_S = 1.0
 
-# The connection whose request is being handled. Set while aiohttp's RequestHandler is made and
-# connected: its connection_made starts the connection's task (web_protocol.py, ``self.start()``),
-# which copies the context as every asyncio task does, and each request's task is started from
-# that one (``_handle_request``), so the application's code of every request on the connection
-# sees it. That is how :func:`key_accepted` finds its connection from ``authorize``, which sees
-# only the request's headers.
+# The connection whose request is being handled, for :func:`key_accepted` (``authorize`` sees only
+# headers): set while aiohttp's RequestHandler is connected, whose task (web_protocol.py,
+# ``self.start()``), and each request's task started from it, copy the context.
 _CONNECTION: contextvars.ContextVar[DoorConnection] = contextvars.ContextVar("capyctl_door_connection")
 
 # A connection's phase: waiting for a head (or reading one), a request being answered, or idle
 # between an answer and the next request's first byte.
 _HEAD, _ANSWERING, _IDLE = "head", "answering", "idle"
-
-
-@dataclass(frozen=True, slots=True)
-class DoorSettings:
-    """The door's limits (config_file.DoorConfig, the configuration file's ``door:``)."""
-
-    head_timeout: float = 10.0
-    connections_max: int = 1024
-    per_address_max: int = 256
-    keyed_reserve: int = 256
-    keepalive_timeout: float = 75.0
-
-    def __post_init__(self) -> None:
-        if not self.head_timeout > 0 or not self.keepalive_timeout > 0:
-            raise CapyError("The door's head_timeout and keepalive_timeout must be more than 0.",
-                            code="invalid_door_settings", status=400)
-        if self.per_address_max < 1 or not 0 <= self.keyed_reserve < self.connections_max:
-            raise CapyError("The door needs per_address_max of 1 or more and a keyed_reserve from 0 to less "
-                            "than connections_max.", code="invalid_door_settings", status=400)
-
-    @property
-    def unkeyed_max(self) -> int:
-        """The slots connections without a valid key may hold."""
-        return self.connections_max - self.keyed_reserve
 
 
 def key_accepted() -> None:
@@ -111,23 +69,11 @@ def key_accepted() -> None:
         connection.mark_keyed()
 
 
-def _answer(error: CapyError) -> bytes:
-    """A whole error answer that closes the connection, in the OpenAI error shape."""
-    headers, body = error_parts(error)
-    lines = [f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}",
-             *(f"{name}: {value}" for name, value in headers.items()),
-             f"Content-Length: {len(body)}", f"Date: {formatdate(usegmt=True)}", "Connection: close", "", ""]
-    return "\r\n".join(lines).encode("latin-1") + body
+class _Wait:
+    """:meth:`_Door.admit`'s answer to a connection that waits for room."""
 
 
-def _address_of(transport: asyncio.BaseTransport) -> str | None:
-    """The client's address; None on a unix socket, whose clients have none to tell apart."""
-    peer = transport.get_extra_info("peername")
-    if not isinstance(peer, tuple) or not peer:
-        return None
-    host = str(peer[0])
-    # An IPv4 client of a dual-stack socket is the same client as over IPv4.
-    return host[7:] if host.startswith("::ffff:") and "." in host else host
+WAIT = _Wait()
 
 
 class _Door:
@@ -144,6 +90,9 @@ class _Door:
         # its first key is found in constant time however many were taken from its front).
         self._yielding: collections.OrderedDict[DoorConnection, None] = collections.OrderedDict()
         self._refused_waiting: set[DoorConnection] = set()
+        # New connections waiting (unread) for room in the unkeyed share, oldest first.
+        self._waiting_for_room: collections.OrderedDict[DoorConnection, None] = collections.OrderedDict()
+        self._making_room = False
 
     @property
     def open_connections(self) -> int:
@@ -153,25 +102,54 @@ class _Door:
     def keyed_connections(self) -> int:
         return len(self._open) - self._unkeyed
 
-    def admit(self, connection: DoorConnection) -> CapyError | None:
-        """Count ``connection`` in, or the error it is refused with."""
+    def admit(self, connection: DoorConnection, *, may_wait: bool = True) -> CapyError | None | _Wait:
+        """Count ``connection`` in; or the error it is refused with; or WAIT, when it may wait for
+        room in the unkeyed share (``may_wait``, and the waiting room has a place): the door admits
+        it later (:meth:`_admit_waiting`) or refuses it once WAIT_FOR_ROOM_S have passed."""
         settings = self.settings
         address = connection.address
         if address is not None and self._per_address[address] >= settings.per_address_max:
             return CapyError(f"This address has {settings.per_address_max} connections open to the proxy, its "
                              "limit; reuse a kept-alive connection, or close one.",
                              code="too_many_connections_from_address", status=503)
-        if len(self._open) >= settings.connections_max or self._unkeyed >= settings.unkeyed_max:
-            if not self._yielding:
+        at_cap = len(self._open) >= settings.connections_max
+        if at_cap or self._unkeyed >= settings.unkeyed_max:
+            oldest = next(iter(self._yielding), None)
+            if oldest is None or self.loop.time() - oldest.yielding_since < YIELD_AFTER_S:
+                if not at_cap and may_wait and len(self._waiting_for_room) < WAITING_FOR_ROOM_MAX:
+                    self._waiting_for_room[connection] = None
+                    return WAIT
                 return CapyError("The proxy has its limit of client connections open; try again shortly, or "
                                  "reuse a kept-alive connection.", code="too_many_connections", status=503)
-            next(iter(self._yielding)).give_way()  # (counted out: room for this one)
+            self._making_room = True  # (the slot it frees is this one's, not a waiting one's)
+            try:
+                oldest.give_way()  # (counted out: room for this one)
+            finally:
+                self._making_room = False
+        self._count_in(connection)
+        return None
+
+    def _count_in(self, connection: DoorConnection) -> None:
+        address = connection.address
         self._open.add(connection)
         self._unkeyed += 1
         if address is not None:
             self._per_address[address] += 1
         self._yielding[connection] = None
-        return None
+        connection.yielding_since = self.loop.time()
+
+    def stop_waiting(self, connection: DoorConnection) -> None:
+        """``connection`` no longer waits for room (admitted, refused, or gone)."""
+        self._waiting_for_room.pop(connection, None)
+
+    def _admit_waiting(self) -> None:
+        """Room in the unkeyed share (a connection turned keyed or closed): let the oldest waiting in."""
+        while not self._making_room and self._waiting_for_room and self._unkeyed < self.settings.unkeyed_max \
+                and len(self._open) < self.settings.connections_max:
+            connection = next(iter(self._waiting_for_room))
+            del self._waiting_for_room[connection]
+            self._count_in(connection)
+            connection.admitted()
 
     def count_out(self, connection: DoorConnection) -> None:
         """``connection`` is closed or closing: its slot is free. Once only; later calls do nothing."""
@@ -186,12 +164,14 @@ class _Door:
             self._per_address[address] -= 1
             if not self._per_address[address]:
                 del self._per_address[address]
+        self._admit_waiting()
 
     def keyed(self, connection: DoorConnection) -> None:
         """``connection`` (unkeyed until now) carried a valid key."""
         if connection in self._open:
             self._unkeyed -= 1
             self._yielding.pop(connection, None)
+            self._admit_waiting()
 
     def answering(self, connection: DoorConnection) -> None:
         self._yielding.pop(connection, None)
@@ -201,6 +181,7 @@ class _Door:
         if connection in self._open and not connection.keyed:
             self._yielding[connection] = None
             self._yielding.move_to_end(connection)
+            connection.yielding_since = self.loop.time()
 
     def refused_room(self, connection: DoorConnection) -> bool:
         """Whether a refused connection may wait for its head (REFUSED_WAITING_MAX)."""
@@ -242,7 +223,7 @@ class DoorConnection(asyncio.Protocol):
     kept, its slot counted (the module's docstring); or, refused, its head read and a 503 sent."""
 
     __slots__ = ("_door", "_transport", "_handler", "_phase", "_timer", "_refusal", "_refused_head", "keyed",
-                 "address")
+                 "address", "yielding_since", "_waiting")
 
     def __init__(self, door: _Door) -> None:
         self._door = door
@@ -254,6 +235,8 @@ class DoorConnection(asyncio.Protocol):
         self._refused_head = bytearray()
         self.keyed = False
         self.address: str | None = None
+        self.yielding_since = 0.0  # (loop time) when it last became one that may give way
+        self._waiting = False  # for room (WAIT): what it sends meanwhile is kept in _refused_head
 
     def __repr__(self) -> str:
         state = "refused" if self._handler is None else f"{'keyed' if self.keyed else 'unkeyed'} {self._phase}"
@@ -264,12 +247,21 @@ class DoorConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # (a stream transport: asyncio's, or uvloop's, which subclasses none of asyncio's classes)
         self._transport = transport  # type: ignore[assignment]
-        self.address = _address_of(transport)
+        self.address = client_address(transport)
         door = self._door
         refusal = door.admit(self)
+        if refusal is WAIT:  # unread until the door has room for it, or refused after a while
+            self._waiting = True
+            self._transport.pause_reading()  # (uvloop may still hand over what came with the connection)
+            self._timer = door.loop.call_later(WAIT_FOR_ROOM_S, self._waited_too_long)
+            return
         if refusal is not None:
             self._refuse(refusal)
             return
+        self._connect_handler()
+
+    def _connect_handler(self) -> None:
+        transport, door = self._transport, self._door
         token = _CONNECTION.set(self)
         try:
             handler = door.server()  # a RequestHandler (web_server.py, Server.__call__)
@@ -279,9 +271,49 @@ class DoorConnection(asyncio.Protocol):
         self._handler = handler
         self._arm()
 
+    def admitted(self) -> None:
+        """The door had room for this connection, which waited for it (counted in already)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            self._door.count_out(self)
+            return
+        self._connect_handler()
+        self._resume()
+
+    def _waited_too_long(self) -> None:
+        self._timer = None
+        self._door.stop_waiting(self)
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        refusal = self._door.admit(self, may_wait=False)  # an unkeyed one may give way by now
+        if refusal is None:
+            self._connect_handler()
+        else:
+            assert isinstance(refusal, CapyError)
+            self._refuse(refusal)
+        self._resume()
+
+    def _resume(self) -> None:
+        """Out of the wait for room: what came meanwhile first, then reading again."""
+        self._waiting = False
+        early, self._refused_head = bytes(self._refused_head), bytearray()
+        if early:
+            self.data_received(early)
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
     def data_received(self, data: bytes) -> None:
         handler = self._handler
         if handler is None:
+            if self._waiting:
+                self._refused_head += data
+                if len(self._refused_head) > REFUSED_HEAD_MAX and self._transport is not None:
+                    self._transport.abort()
+                return
             self._refused_data(data)
             return
         if self._phase == _IDLE:  # the first byte of the next request: its head's deadline starts
@@ -294,6 +326,7 @@ class DoorConnection(asyncio.Protocol):
         return handler.eof_received() if handler is not None else None
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        self._door.stop_waiting(self)
         self._door.count_out(self)
         self._door.refused_done(self)
         if self._timer is not None:
@@ -377,7 +410,7 @@ class DoorConnection(asyncio.Protocol):
         if transport is None or handler is None or transport.is_closing():
             return
         if error is not None:
-            transport.write(_answer(error))
+            transport.write(closing_answer(error))
         # As aiohttp closes a connection whose keep-alive time ran out (web_protocol.py,
         # _process_keepalive): its task ends, and the transport closes once what was written is sent.
         handler.force_close()
@@ -405,7 +438,7 @@ class DoorConnection(asyncio.Protocol):
             return
         self._refusal = None
         self._refused_head = bytearray()
-        transport.write(_answer(error))
+        transport.write(closing_answer(error))
         transport.close()
 
 

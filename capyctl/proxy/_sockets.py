@@ -11,7 +11,8 @@ from aiohttp import web
 from aiohttp.log import access_logger
 
 from ..errors import CapyError
-from ._door import DoorSettings, DoorSite
+from ._door import DoorSite
+from ._door_settings import DoorSettings
 
 SD_LISTEN_FDS_START = 3
 # Idle kept-alive client connections are closed after this long (aiohttp's own default,

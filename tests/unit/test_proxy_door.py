@@ -237,7 +237,8 @@ async def test_past_the_per_address_cap_only_that_address_is_refused() -> None:
             other.close()
 
 
-async def test_keyed_clients_are_served_while_unkeyed_half_heads_hold_their_whole_share() -> None:
+async def test_keyed_clients_are_served_while_unkeyed_half_heads_hold_their_whole_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_door, "YIELD_AFTER_S", 0.0)  # (gives way at once: no grace to wait out)
     # 8 slots, 3 kept for keyed connections: 5 for the rest, which a flood of half heads fills.
     async with door(connections_max=8, keyed_reserve=3) as proxy:
         answer, (reader, writer) = await proxy.ask(chat_request("x", key="sk-wrong"))
@@ -274,7 +275,8 @@ async def test_keyed_clients_are_served_while_unkeyed_half_heads_hold_their_whol
             writer.close()
 
 
-async def test_an_idle_unkeyed_connection_gives_way_without_an_answer() -> None:
+async def test_an_idle_unkeyed_connection_gives_way_without_an_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_door, "YIELD_AFTER_S", 0.0)  # (gives way at once: no grace to wait out)
     async with door(connections_max=2, keyed_reserve=1) as proxy:
         answer, (idle_reader, idle_writer) = await proxy.ask(HEALTH)  # the one unkeyed slot, now idle
         assert answer.status == 200
@@ -285,9 +287,12 @@ async def test_an_idle_unkeyed_connection_gives_way_without_an_answer() -> None:
             other.close()
 
 
-async def test_an_unkeyed_request_being_answered_does_not_give_way_and_the_reserve_stays_free() -> None:
+async def test_an_unkeyed_request_being_answered_does_not_give_way_and_the_reserve_stays_free(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # Without keys nothing is ever keyed: the one unkeyed slot is held by a request waiting for
-    # admission, which cannot be pushed out, and the slot kept for keyed connections stays free.
+    # admission, which cannot be pushed out, and the slot kept for keyed connections stays free:
+    # the next connection waits, unread, for room that does not come, and is refused.
+    monkeypatch.setattr(_door, "WAIT_FOR_ROOM_S", 0.05)
     async with door(keys=False, connections_max=2, keyed_reserve=1) as proxy:
         proxy.router.gate = asyncio.Event()
         reader, writer = await proxy.connect()
@@ -296,10 +301,26 @@ async def test_an_unkeyed_request_being_answered_does_not_give_way_and_the_reser
         refused_reader, refused_writer = await proxy.connect()
         refused_writer.write(HEALTH)
         await closed_by_the_door(refused_reader, 503, "too_many_connections")
+        assert proxy.site.open_connections == 1
         proxy.router.gate.set()
         assert (await read_answer(reader)).status == 200
         for other in (writer, refused_writer):
             other.close()
+
+
+async def test_a_burst_past_the_unkeyed_share_gets_in_as_the_first_connections_turn_keyed() -> None:
+    # Clients that connect at once are all unkeyed until their heads are read: those past the share
+    # wait, unread, and get in as the first ones show their keys (streams_scale.py's 1,000 at once).
+    async with door(connections_max=8, keyed_reserve=4) as proxy:
+        connections = [await proxy.connect() for _ in range(8)]  # 4 in, 4 waiting for room
+        await eventually(lambda: proxy.site.open_connections == 4, "the share filled")
+        for _, writer in connections:
+            writer.write(MODELS)
+        for reader, _ in connections:
+            assert (await read_answer(reader)).status == 200
+        assert (proxy.site.open_connections, proxy.site.keyed_connections) == (8, 8)
+        for _, writer in connections:
+            writer.close()
 
 
 async def test_refused_connections_wait_for_their_heads_boundedly(monkeypatch: pytest.MonkeyPatch) -> None:
