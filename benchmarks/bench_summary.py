@@ -46,6 +46,8 @@ GOAL_HOSTILE_OUTLIVED = 0
 ENGINE_CLIENT_PAYS_S = 100e-6
 # proxy_hop.py's name for that proxy whose engine exchanges go through aiohttp's client.
 AIOHTTP_CLIENT = "capyctl-aiohttp-client"
+# proxy_vs_nginx.py's path through benchmarks/_aiohttp_relay.py: aiohttp's server with none of CapyCTL's work
+AIOHTTP_SERVER = "aiohttp-server"
 # Issue 31's goals for contention.py: models taking turns on room for one.
 GOAL_CONTENTION_FAILED = 0  # no failed request
 GOAL_CONTENTION_SHARE = 0.2  # each model at least a fifth of the answers
@@ -190,6 +192,8 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
         return med[name] - med["direct"] if med.get(name) is not None and med.get("direct") else None
 
     added, nginx_added, floor_added = over_direct("capyctl"), over_direct("nginx"), over_direct("floor")
+    # benchmarks/_aiohttp_relay.py: aiohttp's server as the proxy configures it, none of CapyCTL's work
+    aiohttp_added = over_direct(AIOHTTP_SERVER) if lat.get(AIOHTTP_SERVER) else None
     added_ci = turn_interval({"c": lat["capyctl"], "d": lat["direct"]},
                              lambda t: paired_difference(t["c"], t["d"])) if paired("capyctl") else None
     rows = [
@@ -197,7 +201,8 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
             f"{_ms(added)} over direct ({_x(_ratio(med['capyctl'], med['direct']))})"
             + (f" paired by turn ({_interval(added_ci, GOAL_ADDED_MEDIAN_S, _in_ms)} ms)" if added_ci else "")
             + f"; nginx adds {_ms(nginx_added)}"
-            + (f"; the floor relay {_ms(floor_added)}" if floor_added is not None else ""),
+            + (f"; the floor relay {_ms(floor_added)}" if floor_added is not None else "")
+            + (f"; aiohttp's server alone {_ms(aiohttp_added)}" if aiohttp_added is not None else ""),
             f"<= {GOAL_ADDED_MEDIAN_S * 1000:.2f} ms over direct",
             judge(added, GOAL_ADDED_MEDIAN_S, at_most=True), added),
     ]
@@ -675,7 +680,7 @@ def write_latency_chart(panels: dict[str, dict[str, list[float]]], path: Path) -
     except ImportError:
         return None
     colors = {"direct": "tab:gray", "nginx": "tab:green", "capyctl": "tab:blue", "litellm": "tab:red",
-              AIOHTTP_CLIENT: "tab:purple", "floor": "tab:olive"}
+              AIOHTTP_CLIENT: "tab:purple", "floor": "tab:olive", AIOHTTP_SERVER: "tab:brown"}
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
     for ax, (title, series) in zip(axes[0], panels.items()):
         for name, values in series.items():

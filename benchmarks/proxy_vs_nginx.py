@@ -13,6 +13,9 @@ machine's load and what one path leaves behind hit all alike:
 - floor, on the latency turns only: ``_minimal_relay.py``, a relay on the same event loop and
   parser with none of CapyCTL's work (no key, no model read, no admission, no metrics; it relays
   no stream), so that a run shows how much of CapyCTL's added latency is its own;
+- aiohttp-server, on the latency turns only: ``_aiohttp_relay.py``, aiohttp's web server as CapyCTL
+  configures it, relaying through CapyCTL's engine client with none of CapyCTL's work, so that a
+  run shows how much of the added latency is the one HTTP server that faces clients;
 
 - litellm (``--litellm PATH``, the ``litellm`` command of a venv with ``litellm[proxy]``):
   LiteLLM's proxy, one worker, with the same llama-server as an OpenAI-compatible backend,
@@ -177,6 +180,7 @@ async def main() -> None:
     engine_port, launch_key = free_port(), secrets.token_hex(16)
     prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-nginx-"))
     nginx_port, proxy_port, litellm_port, floor_port = free_port(), free_port(), free_port(), free_port()
+    aiohttp_port = free_port()
     processes: list[subprocess.Popen] = []
     litellm_status: dict[str, object] = {"measured": False, "error": "not asked for (--litellm)"}
     try:
@@ -201,6 +205,10 @@ async def main() -> None:
         processes.append(subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve().parent / "_minimal_relay.py"),
              "--upstream-port", str(engine_port), "--launch-key", launch_key, "--port", str(floor_port)],
+            stdout=subprocess.DEVNULL))
+        processes.append(subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve().parent / "_aiohttp_relay.py"),
+             "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", launch_key, "--port", str(aiohttp_port)],
             stdout=subprocess.DEVNULL))
         litellm = None
         if args.litellm:
@@ -234,11 +242,13 @@ async def main() -> None:
             passes = [{n: paths[n] for n in ("direct", "nginx", "capyctl")}]
             if "litellm" in paths:
                 passes.append({"litellm": paths["litellm"]})
-            floor = (f"http://127.0.0.1:{floor_port}", CLIENT_KEY)
+            relays = {"floor": (f"http://127.0.0.1:{floor_port}", CLIENT_KEY),
+                      "aiohttp-server": (f"http://127.0.0.1:{aiohttp_port}", CLIENT_KEY)}
             await wait_listening(floor_port)
-            latency["floor"] = []
+            await wait_listening(aiohttp_port)
+            latency.update({name: [] for name in relays})
             for group in passes:
-                requests = {**group, "floor": floor} if "capyctl" in group else group
+                requests = {**group, **relays} if "capyctl" in group else group
                 for _ in range(3):  # warm every path (connection pools, prompt cache)
                     for url, key in requests.values():
                         await one_request(http, url, key)
@@ -270,7 +280,7 @@ async def main() -> None:
     def ms(v: float) -> str:
         return f"{v * 1000:.2f} ms"
 
-    names = list(paths) + ["floor"]
+    names = list(paths) + ["floor", "aiohttp-server"]
     rows = [("latency median (max_tokens 1)", {n: statistics.median(v) for n, v in latency.items()}, ms),
             ("latency p95", {n: p95(v) for n, v in latency.items()}, ms),
             ("time to first chunk median", {n: statistics.median(v) for n, v in ttfc.items()}, ms),
@@ -280,12 +290,13 @@ async def main() -> None:
     print(f"machine: {os.cpu_count()} cpus; {args.requests} small requests, {args.streams} streams of "
           f"{args.tokens} tokens on each path, then {args.rounds} rounds of {','.join(map(str, args.concurrency))} "
           f"concurrent streams; nginx {nginx}")
-    print(f"{'':34}" + "".join(f"{n:>12}" for n in names) + f"{'capyctl/nginx':>15}{'capyctl/direct':>16}")
+    width = max(12, *(len(n) + 2 for n in names))
+    print(f"{'':34}" + "".join(f"{n:>{width}}" for n in names) + f"{'capyctl/nginx':>15}{'capyctl/direct':>16}")
     for label, values, fmt in rows:
-        print(f"{label:34}" + "".join(f"{fmt(values[n]) if n in values else '-':>12}" for n in names)
+        print(f"{label:34}" + "".join(f"{fmt(values[n]) if n in values else '-':>{width}}" for n in names)
               + f"{values['capyctl'] / values['nginx']:>15.3f}{values['capyctl'] / values['direct']:>16.3f}")
     overheads = {n: statistics.median(latency[n]) - statistics.median(latency["direct"]) for n in names[1:]}
-    print(f"{'overhead over direct (median)':34}{'':>12}" + "".join(f"{ms(v):>12}" for v in overheads.values()))
+    print(f"{'overhead over direct (median)':34}{'':>{width}}" + "".join(f"{ms(v):>{width}}" for v in overheads.values()))
     if args.json:
         args.json.write_text(json.dumps({
             "requests": args.requests, "streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,

@@ -208,6 +208,8 @@ def test_the_floor_relay_is_named_beside_the_added_latency_when_it_was_measured(
     pvn["latency_s"]["floor"] = [10.02 / 1000] * 20
     row = bs.proxy_rows(pvn)[0]
     assert row.value.endswith("; the floor relay 0.02 ms") and row.ratio == pytest.approx(0.1e-3)
+    pvn["latency_s"][bs.AIOHTTP_SERVER] = [10.07 / 1000] * 20
+    assert bs.proxy_rows(pvn)[0].value.endswith("; the floor relay 0.02 ms; aiohttp's server alone 0.07 ms")
 
 
 def test_goals_are_judged_at_their_bounds():
