@@ -427,7 +427,7 @@ def test_a_goal_inside_the_interval_is_said_to_be_undecided_by_the_run():
     pvn = _pvn()
     # Each turn's added latency anywhere from 0 to twice the goal: the median is near the goal.
     pvn["latency_s"].update(direct=direct, nginx=list(direct),
-                            capyctl=[d + rng.uniform(0, 2 * bs.GOAL_ADDED_MEDIAN_S) for d in direct])
+                            capyctl=[d + rng.uniform(0, 2 * bs.G.ADDED_LATENCY.bound) for d in direct])
     rows = _by_measure(bs.evaluate(_results(proxy_vs_nginx=pvn)))
     assert "goal inside: cannot tell" in rows["added latency, median, 1-token chat"].value
     assert bs.turn_interval({"a": [1.0]}, lambda t: 0.0) is None  # one turn: no interval
