@@ -110,9 +110,9 @@ KV_VS_NO_RESTORE = Goal("kv_vs_no_restore", 3.0, False, "x", 33,
                         "the next turn after a park: without restore against with", ">= {:.0f}x faster")
 # Issue 36: one daemon driving many hosts over SSH (hosts_scale.py), at its largest size.
 RSS_PER_HOST = Goal("rss_per_host", 2 * MiB, True, "bytes", 36, "the daemon's RSS per idle host, over 1 host",
-                    "<= {:.0f} MiB", 1 / MiB)
+                    "<= {:.0f} MiB a host", 1 / MiB)
 CPU_PER_HOST = Goal("cpu_per_host", 0.2, True, "% core", 36,
-                    "the daemon's unit CPU per idle host (with its ssh processes), over 1 host", "<= {:g}%")
+                    "the daemon's unit CPU per idle host (with its ssh processes), over 1 host", "<= {:g}% of a core a host")
 SSH_PER_HOST = Goal("ssh_per_host", 1, True, "count", 36, "SSH connections per host, every host connected",
                     "{:.0f} per host")
 LIST_S = Goal("list_s", 1.0, True, "s", 36, "`capyctl list hosts` and `list deployments --json`", "<= {:.0f} s")

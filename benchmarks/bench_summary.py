@@ -6,6 +6,11 @@ distributions direct vs nginx vs CapyCTL, and LiteLLM when it was measured) into
 
     .venv/bin/python benchmarks/bench_summary.py benchmarks/results/<timestamp>
 
+With ``--docs docs/benchmarks.md`` it writes nothing into the folder: it replaces the text between
+each ``<!-- bench_summary: begin NAME -->`` and ``<!-- bench_summary: end NAME -->`` in that file
+with NAME's table from the run (``groups``: proxy, door, contention, kv_park, outside_client, hop)
+or of the goals (``goals``, ``goals-N`` for issue N), and leaves the text around them alone.
+
 The helpers above ``main`` are pure (no I/O) and covered by tests/unit/test_bench_summary.py.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -564,15 +570,101 @@ def answer_ceiling(scenario: dict[str, Any], own_start: float | None) -> float |
     return batch / (batch + own_start)
 
 
+def groups(results: dict[str, Any]) -> dict[str, list[Row]]:
+    """The rows by the generated table of docs/benchmarks.md they make (``--docs``), in the order
+    the summary prints them."""
+    pvn = results.get("proxy_vs_nginx")
+    return {
+        "proxy": [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale"))],
+        "door": [scale_row(results.get("daemon_scale")), streams_row(results.get("streams_scale")),
+                 *hostile_rows(results.get("hostile_heads")), engine_client_row(results.get("proxy_hop"))],
+        "contention": contention_rows(results.get("contention")),
+        "kv_park": kv_park_rows(results.get("kv_park")),
+        "outside_client": outside_client_rows(results.get("outside_client")),
+        "hop": [*hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)],
+    }
+
+
 def evaluate(results: dict[str, Any]) -> list[Row]:
     """Every row of issue 14's table (then one hop's and LiteLLM's), from the benchmarks' JSON results by name."""
-    pvn = results.get("proxy_vs_nginx")
-    return [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale")),
-            scale_row(results.get("daemon_scale")), streams_row(results.get("streams_scale")),
-            *hostile_rows(results.get("hostile_heads")), engine_client_row(results.get("proxy_hop")),
-            *contention_rows(results.get("contention")), *kv_park_rows(results.get("kv_park")),
-            *outside_client_rows(results.get("outside_client")),
-            *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
+    return [row for rows in groups(results).values() for row in rows]
+
+
+# ---------------------------------------------------------------- docs/benchmarks.md's generated tables
+
+# The text between these markers in docs/benchmarks.md is bench_summary.py's (``--docs``): a table
+# of the goals (``goals``, or ``goals-N`` for issue N's), or one group of a run's rows (``groups``).
+MARKER = re.compile(r"<!-- bench_summary: begin (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- bench_summary: end (?P=name) -->",
+                    re.DOTALL)
+
+
+def _cell(text: str) -> str:
+    return one_line(str(text), 400).replace("|", "\\|")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_table(body: str) -> list[list[str]]:
+    """The rows of the first Markdown table in ``body`` (its header first, the rule left out),
+    cells unescaped: what a generated block says, for the tests."""
+    rows = []
+    for line in body.splitlines():
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+        if not all(set(c) <= {"-", ":"} and c for c in cells):
+            rows.append(cells)
+    return rows
+
+
+def render_goals(issue: int | None = None) -> str:
+    """The goals of bench_goals.py (of one issue), as a Markdown table."""
+    return markdown_table(("measure", "goal", "issue"), [(g.measure, g.shown, str(g.issue)) for g in G.GOALS.values()
+                                                         if issue is None or g.issue == issue])
+
+
+def render_markdown(rows: Sequence[Row], source: str) -> str:
+    """One group of a run's rows as a Markdown table, the run's folder named above it."""
+    verdict = {s: sum(1 for r in rows if r.status == s) for s in ("PASS", "MISS", "n/a")}
+    return (f"From the run in `{source}` (`benchmarks/bench_summary.py RUN --docs docs/benchmarks.md`):\n\n"
+            + markdown_table(("measure", "CapyCTL", "goal", "result"), [(r.measure, r.value, r.goal, r.status)
+                                                                         for r in rows])
+            + f"\n\n{verdict['PASS']} PASS, {verdict['MISS']} MISS, {verdict['n/a']} not measured")
+
+
+def update_docs(text: str, results: dict[str, Any] | None, source: str) -> tuple[str, dict[str, str]]:
+    """``text`` with every generated block written anew: the goals' from bench_goals.py, a group's from
+    ``results`` (None: the goals only). A group the run did not measure (every row n/a) keeps what
+    the block said. Returns the new text and, by block, what became of it."""
+    tables = groups(results) if results is not None else {}
+    done: dict[str, str] = {}
+
+    def block(m: re.Match) -> str:
+        name = m.group("name")
+        if name == "goals" or name.startswith("goals-"):
+            body = render_goals(int(name[6:]) if name != "goals" else None)
+            done[name] = "generated"
+        elif results is None:
+            done[name] = "kept: no run given"
+            return m.group(0)
+        elif name not in tables:
+            done[name] = "kept: no such group of rows"
+            return m.group(0)
+        elif all(r.status == "n/a" for r in tables[name]):
+            done[name] = "kept: " + (tables[name][0].value if tables[name] else "no rows in this run")
+            return m.group(0)
+        else:
+            body = render_markdown(tables[name], source)
+            done[name] = "generated"
+        return f"<!-- bench_summary: begin {name} -->\n{body}\n<!-- bench_summary: end {name} -->"
+
+    return MARKER.sub(block, text), done
 
 
 def one_line(text: str, limit: int = 110) -> str:
@@ -665,8 +757,16 @@ def load_results(folder: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="the run's output folder")
+    parser.add_argument("--docs", type=Path, help="write the generated tables of this Markdown file (docs/benchmarks.md) "
+                        "from the run, and nothing into the run's folder")
     args = parser.parse_args(argv)
     results = load_results(args.folder)
+    if args.docs:
+        text, done = update_docs(args.docs.read_text(), results, args.folder.resolve().name)
+        args.docs.write_text(text)
+        for name, what in done.items():
+            print(f"{args.docs}: {name}: {what}")
+        return 0
     rows = evaluate(results)
     print(render_table(rows))
     print()
