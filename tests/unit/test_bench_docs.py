@@ -97,7 +97,7 @@ def test_every_goal_column_of_the_docs_says_one_of_the_modules_goals():
             checked += 1
     for table in _tables(_outside_blocks(text)):
         columns = [i for i, head in enumerate(table[0]) if head.startswith("goal")]
-        verdicts = [c for row in table[1:] for c in row if c.startswith(("PASS", "MISS"))]
+        verdicts = [c for row in table[1:] for c in row if re.search(r"\b(PASS|MISS)\b", c)]
         assert columns or not verdicts, f"a table judged by hand without its goals: {table[0]}"
         for row in table[1:]:
             for i in columns:
