@@ -6,6 +6,11 @@ distributions direct vs nginx vs CapyCTL, and LiteLLM when it was measured) into
 
     .venv/bin/python benchmarks/bench_summary.py benchmarks/results/<timestamp>
 
+With ``--docs docs/benchmarks.md`` it writes nothing into the folder: it replaces the text between
+each ``<!-- bench_summary: begin NAME -->`` and ``<!-- bench_summary: end NAME -->`` in that file
+with NAME's table from the run (``groups``: proxy, door, contention, kv_park, outside_client, hop)
+or of the goals (``goals``, ``goals-N`` for issue N), and leaves the text around them alone.
+
 The helpers above ``main`` are pure (no I/O) and covered by tests/unit/test_bench_summary.py.
 """
 
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -21,56 +27,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 MiB = 1 << 20
-# The goals of issue 14's table.
-# Issue 45: with aiohttp's server facing every client, at most this over direct (paired by turn).
-GOAL_ADDED_MEDIAN_S = 0.70e-3
-GOAL_MEDIAN_VS_NGINX = 1.02  # at most 1.02x nginx's total
-GOAL_P95_VS_NGINX = 1.05
-GOAL_TTFC_VS_NGINX = 1.03
-GOAL_STREAM_VS_DIRECT = 0.99  # at least, at 1, 8 and 64 streams
-GOAL_WAKE_VS_MANUAL = 1.10
-GOAL_IDLE_RSS = 64 * MiB
-GOAL_RSS_GROWTH = 2 * MiB  # "flat": after 100,000 requests at most this much above the few-request figure
-# Issue 45's goals for the door. daemon_scale.py: at least half the requests/s issue 32's front reached.
-GOAL_SCALE_RPS = 2848
-# streams_scale.py: streamed requests at once across the deployments, none dropped or cut.
-GOAL_STREAMS = 1000
-GOAL_STREAMS_LOST = 0
-# hostile_heads.py: every keyed request answered during the attack, their p99 at most this times
-# the same clients' p99 without it, and no half head outliving the head deadline.
-GOAL_HOSTILE_FAILED = 0
-GOAL_HOSTILE_P99 = 2.0
-GOAL_HOSTILE_OUTLIVED = 0
-# proxy_hop.py: the proxy's own engine client stays only if it saves at least this a request over
-# aiohttp's client (issue 45); the row says KEEP or DELETE.
-ENGINE_CLIENT_PAYS_S = 100e-6
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_goals as G  # noqa: E402  (every goal: benchmarks/bench_goals.py)
+from bench_goals import judge  # noqa: E402,F401  (hosts_scale.py and the tests judge through here)
+
 # proxy_hop.py's name for that proxy whose engine exchanges go through aiohttp's client.
 AIOHTTP_CLIENT = "capyctl-aiohttp-client"
 # proxy_vs_nginx.py's path through benchmarks/_aiohttp_relay.py: aiohttp's server with none of CapyCTL's work
 AIOHTTP_SERVER = "aiohttp-server"
-# Issue 31's goals for contention.py: models taking turns on room for one.
-GOAL_CONTENTION_FAILED = 0  # no failed request
-GOAL_CONTENTION_SHARE = 0.2  # each model at least a fifth of the answers
-GOAL_CONTENTION_ANSWERS = 0.5  # at least half the answers of the same clients on one resident model
-# Issue 47: a swap (the evicted model's last answer to the incoming one's first) at most this times
-# the engine's own start by hand, exec to the first answer of one request; where that start is
-# longer than a batch takes to serve, answers at least this share of the ceiling it sets.
-GOAL_SWAP_VS_OWN_START = 1.25
-# Issue 47, mixed load: the resident small model, asked once a second while two big ones take turns,
-# each deployment on cores of its own: its p99 at most this times its p99 alone.
-GOAL_MIXED_LIGHT_P99 = 2.0
-GOAL_ANSWERS_VS_CEILING = 0.9
-# (and p99 latency at most swap.wait_max plus one wake, both read from the run)
-# Issue 33's goals for kv_park.py: the next turn after a park, its prompt cache restored.
-GOAL_KV_VS_WARM = 1.3  # at most, against the same turn on the warm engine, after an explicit wake
-# Issue 47: the turn sent to a parked deployment, its wake included, at most the warm turn plus the
-# engine's own start by hand (a restart park cannot beat that start, longer than a warm turn).
-GOAL_KV_VS_WARM_PLUS_START = 1.0
-GOAL_KV_VS_NO_RESTORE = 3.0  # at least this many times faster than a wake without restore
-# Issue 47: vLLM's benchmark client and capyctl bench agree within this share on decode tokens/s and
-# time to first token, and both read CapyCTL at least this much of the direct launch (outside_client.py).
-GOAL_CLIENTS_AGREE = 0.05
-GOAL_CAPYCTL_VS_DIRECT = 0.95
 CONTENTION_COUNTS = ((2, "two"), (3, "three"))
 STREAM_COUNTS = (1, 8, 64)
 
@@ -93,12 +57,6 @@ class Row:
     goal: str
     status: str  # PASS, MISS, "info" (no goal) or "n/a" (not measured in this run, and why in value)
     ratio: float | None = None  # the figure the goal judges, when there is one
-
-
-def judge(figure: float | None, goal: float, *, at_most: bool) -> str:
-    if figure is None:
-        return "n/a"
-    return "PASS" if (figure <= goal if at_most else figure >= goal) else "MISS"
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> float:
@@ -172,11 +130,11 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
     if not pvn:
         why = "proxy_vs_nginx.py wrote no result"
         return [Row(m, why, g, "n/a") for m, g in (
-            ("added latency, median, 1-token chat", f"<= {GOAL_ADDED_MEDIAN_S * 1000:.2f} ms over direct"),
-            ("latency median, total vs nginx", f"<= {GOAL_MEDIAN_VS_NGINX:.2f}x nginx"),
-            ("latency p95 vs nginx", f"<= {GOAL_P95_VS_NGINX:.2f}x nginx"),
-            ("time to first chunk, median, vs nginx", f"<= {GOAL_TTFC_VS_NGINX:.2f}x nginx"),
-            *((f"stream chunks/s, {n} concurrent, vs direct", f">= {GOAL_STREAM_VS_DIRECT:.2f}x direct")
+            ("added latency, median, 1-token chat", G.ADDED_LATENCY.shown),
+            ("latency median, total vs nginx", G.MEDIAN_VS_NGINX.shown),
+            ("latency p95 vs nginx", G.P95_VS_NGINX.shown),
+            ("time to first chunk, median, vs nginx", G.TTFC_VS_NGINX.shown),
+            *((f"stream chunks/s, {n} concurrent, vs direct", G.STREAM_VS_DIRECT.shown)
               for n in STREAM_COUNTS))]
     lat = pvn["latency_s"]
     med = {name: _median(v) for name, v in lat.items()}
@@ -199,37 +157,37 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
     rows = [
         Row("added latency, median, 1-token chat",
             f"{_ms(added)} over direct ({_x(_ratio(med['capyctl'], med['direct']))})"
-            + (f" paired by turn ({_interval(added_ci, GOAL_ADDED_MEDIAN_S, _in_ms)} ms)" if added_ci else "")
+            + (f" paired by turn ({_interval(added_ci, G.ADDED_LATENCY.bound, _in_ms)} ms)" if added_ci else "")
             + f"; nginx adds {_ms(nginx_added)}"
             + (f"; the floor relay {_ms(floor_added)}" if floor_added is not None else "")
             + (f"; aiohttp's server alone {_ms(aiohttp_added)}" if aiohttp_added is not None else ""),
-            f"<= {GOAL_ADDED_MEDIAN_S * 1000:.2f} ms over direct",
-            judge(added, GOAL_ADDED_MEDIAN_S, at_most=True), added),
+            G.ADDED_LATENCY.shown,
+            G.ADDED_LATENCY.judge(added), added),
     ]
     r = _ratio(med["capyctl"], med["nginx"])
     ci = turn_interval({"c": lat["capyctl"], "n": lat["nginx"]},
                        _ratio_of_medians) if r is not None else None
     rows.append(Row("latency median, total vs nginx",
                     f"{_x(r)} ({_ms(med['capyctl'])} vs {_ms(med['nginx'])}"
-                    + (f"; {_interval(ci, GOAL_MEDIAN_VS_NGINX, _in_x)}" if ci else "") + ")",
-                    f"<= {GOAL_MEDIAN_VS_NGINX:.2f}x nginx", judge(r, GOAL_MEDIAN_VS_NGINX, at_most=True), r))
+                    + (f"; {_interval(ci, G.MEDIAN_VS_NGINX.bound, _in_x)}" if ci else "") + ")",
+                    G.MEDIAN_VS_NGINX.shown, G.MEDIAN_VS_NGINX.judge(r), r))
     r = _ratio(tail["capyctl"], tail["nginx"])
     rows.append(Row("latency p95 vs nginx",
                     f"{_x(r)}; {_x(_ratio(tail['capyctl'], tail['direct']))} direct "
                     f"(nginx {_x(_ratio(tail['nginx'], tail['direct']))} direct)",
-                    f"<= {GOAL_P95_VS_NGINX:.2f}x nginx", judge(r, GOAL_P95_VS_NGINX, at_most=True), r))
+                    G.P95_VS_NGINX.shown, G.P95_VS_NGINX.judge(r), r))
     ttfc = {name: _median(v) for name, v in pvn["ttfc_s"].items()}
     r = _ratio(ttfc.get("capyctl"), ttfc.get("nginx"))
     ci = turn_interval({"c": pvn["ttfc_s"]["capyctl"], "n": pvn["ttfc_s"]["nginx"]},
                        _ratio_of_medians) if r is not None else None
     rows.append(Row("time to first chunk, median, vs nginx", f"{_x(r)} ({_ms(ttfc.get('capyctl'))} vs "
-                    f"{_ms(ttfc.get('nginx'))}" + (f"; {_interval(ci, GOAL_TTFC_VS_NGINX, _in_x)}" if ci else "") + ")",
-                    f"<= {GOAL_TTFC_VS_NGINX:.2f}x nginx", judge(r, GOAL_TTFC_VS_NGINX, at_most=True), r))
+                    f"{_ms(ttfc.get('nginx'))}" + (f"; {_interval(ci, G.TTFC_VS_NGINX.bound, _in_x)}" if ci else "") + ")",
+                    G.TTFC_VS_NGINX.shown, G.TTFC_VS_NGINX.judge(r), r))
     concurrency = pvn.get("concurrency") or {}
     for n in STREAM_COUNTS:
         point = concurrency.get(str(n))
         measure = f"stream chunks/s, {n} concurrent, vs direct"
-        goal = f">= {GOAL_STREAM_VS_DIRECT:.2f}x direct"
+        goal = G.STREAM_VS_DIRECT.shown
         if not point:
             rows.append(Row(measure, "not measured in this run", goal, "n/a"))
             continue
@@ -237,26 +195,26 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
         r = _ratio(rate.get("capyctl"), rate.get("direct"))
         rows.append(Row(measure, f"{_x(r)} ({rate['capyctl']:.0f}/s vs {rate['direct']:.0f}/s; nginx "
                         f"{_x(_ratio(rate.get('nginx'), rate.get('direct')))})", goal,
-                        judge(r, GOAL_STREAM_VS_DIRECT, at_most=False), r))
+                        G.STREAM_VS_DIRECT.judge(r), r))
     return rows
 
 
 def wake_row(wake: dict[str, Any] | None) -> Row:
-    measure, goal = "parked -> first token vs llama-server by hand", f"<= {GOAL_WAKE_VS_MANUAL:.2f}x"
+    measure, goal = "parked -> first token vs llama-server by hand", G.WAKE_VS_MANUAL.shown
     if not wake or not wake.get("parked_s"):
         return Row(measure, (wake or {}).get("error") or "wake_vs_manual.py wrote no result", goal, "n/a")
     manual, parked = _median(wake["manual_s"]), _median(wake["parked_s"])
     r = _ratio(parked, manual)
     return Row(measure, f"{_x(r)} ({_ms(parked)} vs {_ms(manual)}; restart-only wake)", goal,
-               judge(r, GOAL_WAKE_VS_MANUAL, at_most=True), r)
+               G.WAKE_VS_MANUAL.judge(r), r)
 
 
 def kv_park_rows(kv: dict[str, Any] | None) -> list[Row]:
     """The next turn of a long conversation after a park, with and without restore: the wake
     included, against the warm turn plus the engine's own start by hand (issue 47); after an
     explicit wake, against the warm turn (issue 33)."""
-    park_goal, warm_goal = f"<= {GOAL_KV_VS_WARM_PLUS_START:.1f}x warm + own start", f"<= {GOAL_KV_VS_WARM:.1f}x warm"
-    restore_goal = f">= {GOAL_KV_VS_NO_RESTORE:.0f}x faster"
+    park_goal, warm_goal = G.KV_VS_WARM_PLUS_START.shown, G.KV_VS_WARM.shown
+    restore_goal = G.KV_VS_NO_RESTORE.shown
     whens = (("after_park", "wake included", park_goal), ("after_wake", "after the wake", warm_goal))
     if not kv or not kv.get("median_s"):
         why = (kv or {}).get("error") or "kv_park.py wrote no result"
@@ -273,35 +231,35 @@ def kv_park_rows(kv: dict[str, Any] | None) -> list[Row]:
             rows.append(Row(f"next turn ({kv.get('prompt_tokens')} tokens) after a park vs warm + own start, {label}",
                             f"{_x(r)} ({_ms(m['kv_after_park'])} vs {_ms(m['warm'])} + {_ms(own)})"
                             if r is not None else "kv_park.py measured no start by hand",
-                            goal, judge(r, GOAL_KV_VS_WARM_PLUS_START, at_most=True), r))
+                            goal, G.KV_VS_WARM_PLUS_START.judge(r), r))
         else:
             r = kv[f"{when}_vs_warm"]
             rows.append(Row(f"next turn ({kv.get('prompt_tokens')} tokens) after a park vs warm, {label}",
                             f"{_x(r)} ({_ms(m[f'kv_{when}'])} vs {_ms(m['warm'])})", goal,
-                            judge(r, GOAL_KV_VS_WARM, at_most=True), r))
+                            G.KV_VS_WARM.judge(r), r))
         r = kv[f"no_restore_vs_restore_{when}"]
         rows.append(Row(f"next turn after a park: without restore vs with, {label}",
                         f"{_x(r)} ({_ms(m[f'nokv_{when}'])} vs {_ms(m[f'kv_{when}'])})", restore_goal,
-                        judge(r, GOAL_KV_VS_NO_RESTORE, at_most=False), r))
+                        G.KV_VS_NO_RESTORE.judge(r), r))
     return rows
 
 
 def rss_rows(scale: dict[str, Any] | None) -> list[Row]:
-    few_goal = f"<= {GOAL_IDLE_RSS / MiB:.0f} MiB"
-    flat_goal = f"<= {GOAL_IDLE_RSS / MiB:.0f} MiB and <= {GOAL_RSS_GROWTH / MiB:.0f} MiB growth"
+    few_goal = G.IDLE_RSS.shown
+    flat_goal = f"{G.IDLE_RSS.shown} and {G.RSS_GROWTH.shown}"
     if not scale or scale.get("rss_few_bytes") is None:
         why = (scale or {}).get("error") or "daemon_scale.py wrote no result"
         return [Row("daemon idle RSS after a few requests", why, few_goal, "n/a"),
                 Row("daemon idle RSS after many requests (flat?)", why, flat_goal, "n/a")]
     few, after = scale["rss_few_bytes"], scale.get("rss_after_bytes")
     rows = [Row("daemon idle RSS after a few requests", _mib(few), few_goal,
-                judge(few, GOAL_IDLE_RSS, at_most=True), few)]
+                G.IDLE_RSS.judge(few), few)]
     count = scale.get("requests", 0)
     measure = f"daemon idle RSS after {count:,} requests (flat?)"
     if after is None:
         return rows + [Row(measure, scale.get("error") or "not measured", flat_goal, "n/a")]
     growth = after - few
-    ok = after <= GOAL_IDLE_RSS and growth <= GOAL_RSS_GROWTH
+    ok = after <= G.IDLE_RSS.bound and growth <= G.RSS_GROWTH.bound
     return rows + [Row(measure, f"{_mib(after)} ({growth / MiB:+.1f} MiB)", flat_goal, "PASS" if ok else "MISS",
                        after)]
 
@@ -362,7 +320,7 @@ def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
 def engine_client_row(hop: dict[str, Any] | None) -> Row:
     """Issue 45: whether the proxy's hand-made engine client pays for itself, from proxy_hop.py's
     two proxies in the same run (latency paired by turn, and the proxy's CPU per request)."""
-    goal = f"keep if >= {ENGINE_CLIENT_PAYS_S * 1e6:.0f} us"
+    goal = G.ENGINE_CLIENT_PAYS.shown
     saved = (hop or {}).get("engine_client_saves")
     if not saved:
         why = (hop or {}).get("error") or ("proxy_hop.py wrote no result" if not hop else
@@ -373,7 +331,7 @@ def engine_client_row(hop: dict[str, Any] | None) -> Row:
     return Row(f"engine client: hand-made saves {latency * 1e6:.0f} us a request",
                f"median {_us(med.get('capyctl'))} against {_us(med.get(AIOHTTP_CLIENT))} through aiohttp's client"
                + (f"; proxy CPU {cpu * 1e6:.0f} us a request less" if cpu is not None else ""),
-               goal, "KEEP" if latency >= ENGINE_CLIENT_PAYS_S else "DELETE", latency)
+               goal, "KEEP" if latency >= G.ENGINE_CLIENT_PAYS.bound else "DELETE", latency)
 
 
 def _us(value: float | None) -> str:
@@ -384,31 +342,31 @@ def scale_row(scale: dict[str, Any] | None) -> Row:
     """Issue 45: the daemon's throughput with 8 deployments (daemon_scale.py) at least half of what
     issue 32's front reached."""
     count = len((scale or {}).get("deployments") or {}) or 8
-    measure, goal = f"{count} deployments behind one daemon: requests/s", f">= {GOAL_SCALE_RPS:,}/s"
+    measure, goal = f"{count} deployments behind one daemon: requests/s", G.SCALE_RPS.shown
     if not scale or scale.get("total_rps") is None:
         return Row(measure, (scale or {}).get("error") or "daemon_scale.py wrote no result", goal, "n/a")
     rps = scale["total_rps"]
     return Row(measure, f"{rps:,.0f}/s ({scale.get('requests', 0):,} requests at {scale.get('concurrency')} at once)",
-               goal, judge(rps, GOAL_SCALE_RPS, at_most=False), rps)
+               goal, G.SCALE_RPS.judge(rps), rps)
 
 
 def streams_row(streams: dict[str, Any] | None) -> Row:
     """Issue 45: streamed requests at once across the deployments (streams_scale.py), every one
     ending with [DONE], and the daemon's RSS before, at its peak and after, reported."""
-    goal = f"{GOAL_STREAMS_LOST} dropped or cut of {GOAL_STREAMS:,}; RSS reported"
+    goal = f"{G.STREAMS_LOST.shown} of {G.STREAMS.shown}; RSS reported"
     if not streams or streams.get("streams") is None or streams.get("done") is None:
-        return Row(f"{GOAL_STREAMS:,} streams across 8 deployments: dropped or cut",
+        return Row(f"{G.STREAMS.bound:,} streams across 8 deployments: dropped or cut",
                    (streams or {}).get("error") or "streams_scale.py wrote no result", goal, "n/a")
     n, lost = streams["streams"], streams["streams"] - streams["done"]
     rss = streams.get("rss_bytes") or {}
     reported = all(rss.get(k) is not None for k in ("before", "peak", "after"))
-    ok = lost <= GOAL_STREAMS_LOST and n >= GOAL_STREAMS and reported
+    ok = lost <= G.STREAMS_LOST.bound and n >= G.STREAMS.bound and reported
     by = streams.get("lost_by") or {}
     return Row(f"{n:,} streams across {streams.get('deployments', 8)} deployments: dropped or cut",
                f"{lost} of {n:,} ({_codes(by)}); daemon RSS {_mib(rss.get('before'))} before, "
                f"{_mib(rss.get('peak'))} peak, {_mib(rss.get('after'))} after"
                + (f"; a stream {_s(streams.get('median_stream_s'))} median" if streams.get("median_stream_s") else "")
-               + ("" if n >= GOAL_STREAMS else f" (fewer streams than the goal's {GOAL_STREAMS:,})"),
+               + ("" if n >= G.STREAMS.bound else f" (fewer streams than the goal's {G.STREAMS.bound:,})"),
                goal, "PASS" if ok else "MISS", lost)
 
 
@@ -418,8 +376,8 @@ def hostile_rows(hostile: dict[str, Any] | None) -> list[Row]:
     the half heads closed by the head deadline; then what the attacker's connections met."""
     answered_m, p99_m = "hostile load: keyed requests failed during the attack", "hostile load: keyed p99 vs no attack"
     closed_m = "hostile load: half heads outliving the head deadline"
-    answered_g, p99_g = f"<= {GOAL_HOSTILE_FAILED}", f"<= {GOAL_HOSTILE_P99:.1f}x"
-    closed_g = f"<= {GOAL_HOSTILE_OUTLIVED}"
+    answered_g, p99_g = G.HOSTILE_FAILED.shown, G.HOSTILE_P99.shown
+    closed_g = G.HOSTILE_OUTLIVED.shown
     keyed = (hostile or {}).get("keyed") or {}
     base, attack = keyed.get("baseline"), keyed.get("attack")
     if not base or not attack:
@@ -428,18 +386,17 @@ def hostile_rows(hostile: dict[str, Any] | None) -> list[Row]:
     failed = attack["failed"]
     rows = [Row(answered_m, f"{failed} of {attack['requests']} ({_codes(attack.get('failed_by') or {})}); "
                             f"without the attack {base['failed']} of {base['requests']}",
-                answered_g, judge(failed if attack["requests"] else None, GOAL_HOSTILE_FAILED, at_most=True), failed)]
+                answered_g, G.HOSTILE_FAILED.judge(failed if attack["requests"] else None), failed)]
     r = _ratio(attack.get("p99_s"), base.get("p99_s"))
     rows.append(Row(p99_m, f"{_x(r)} ({_ms(attack.get('p99_s'))} vs {_ms(base.get('p99_s'))}; p50 "
                            f"{_ms(attack.get('p50_s'))} vs {_ms(base.get('p50_s'))})",
-                    p99_g, judge(r, GOAL_HOSTILE_P99, at_most=True), r))
+                    p99_g, G.HOSTILE_P99.judge(r), r))
     heads = hostile.get("attacker") or {}
     deadline = hostile.get("head_deadline_s")
     outlived = heads.get("outlived_deadline")
     rows.append(Row(closed_m, f"{outlived} of {heads.get('connected', 0)} accepted (deadline {_s(deadline)}); "
                               f"closed by the server after {_spread(heads.get('closed_after_s'))}",
-                    closed_g, judge(outlived if heads.get("connected") else None, GOAL_HOSTILE_OUTLIVED,
-                                    at_most=True), outlived))
+                    closed_g, G.HOSTILE_OUTLIVED.judge(outlived if heads.get("connected") else None), outlived))
     rows.append(Row("hostile load: the attacker's connections",
                     f"{heads.get('attempts', 0)} tried from {heads.get('address', '?')}, {heads.get('connected', 0)} "
                     f"accepted, {sum((heads.get('connect_failed') or {}).values())} not "
@@ -469,14 +426,13 @@ def contention_rows(contention: dict[str, Any] | None) -> list[Row]:
     turns in batches, against the same clients on one resident model (the upper bound) and against
     arrival order (the baseline, shown beside each row and in an info row of its own, no goal)."""
     def measures(n: int) -> list[tuple[str, str]]:
-        return [(f"{n} models on room for one: failed requests", f"<= {GOAL_CONTENTION_FAILED}"),
-                (f"{n} models on room for one: smallest share of answers", f">= {GOAL_CONTENTION_SHARE:.2f}"),
-                (f"{n} models on room for one: p99 latency", "<= wait_max + one wake"),
+        return [(f"{n} models on room for one: failed requests", G.CONTENTION_FAILED.shown),
+                (f"{n} models on room for one: smallest share of answers", G.CONTENTION_SHARE.shown),
+                (f"{n} models on room for one: p99 latency", G.CONTENTION_P99.shown),
                 (f"{n} models on room for one: answers vs one model",
-                 f">= {GOAL_CONTENTION_ANSWERS:.2f}x, or >= {GOAL_ANSWERS_VS_CEILING:.1f}x the ceiling a start "
-                 "longer than a batch sets"),
+                 f"{G.CONTENTION_ANSWERS.shown}, or {G.ANSWERS_VS_CEILING.shown} a start longer than a batch sets"),
                 (f"{n} models on room for one: median swap vs the engine's own start by hand",
-                 f"<= {GOAL_SWAP_VS_OWN_START:.2f}x")]
+                 G.SWAP_VS_OWN_START.shown)]
 
     scenarios = (contention or {}).get("scenarios") or {}
     if not scenarios:
@@ -514,7 +470,7 @@ def mixed_rows(mixed: dict[str, Any] | None, error: str | None = None) -> list[R
     """Issue 47's mixed load: the resident small model's client beside two big models taking turns."""
     p99_measure = "2 models taking turns: the resident model's p99, asked once a second, vs alone"
     failed_measure = "2 models taking turns, a resident one asked: failed requests"
-    p99_goal, failed_goal = f"<= {GOAL_MIXED_LIGHT_P99:.1f}x", f"<= {GOAL_CONTENTION_FAILED}"
+    p99_goal, failed_goal = G.MIXED_LIGHT_P99.shown, G.CONTENTION_FAILED.shown
     if not mixed or mixed.get("error"):
         why = (mixed or {}).get("error") or error or "not measured in this run"
         return [Row(p99_measure, why, p99_goal, "n/a"), Row(failed_measure, why, failed_goal, "n/a")]
@@ -524,10 +480,10 @@ def mixed_rows(mixed: dict[str, Any] | None, error: str | None = None) -> list[R
     total = mixed["requests"] + light.get("requests", 0)
     return [Row(p99_measure, f"{_x(r)} ({_ms(light.get('p99_s'))} vs {_ms(alone)} alone; "
                              f"{light.get('answered', 0)} of {light.get('requests', 0)} answered)",
-                p99_goal, judge(r, GOAL_MIXED_LIGHT_P99, at_most=True), r),
+                p99_goal, G.MIXED_LIGHT_P99.judge(r), r),
             Row(failed_measure, f"{mixed['failed']} of {total} ({_codes(mixed['failed_by_code'])}); "
                                 f"{mixed['answered']} big-model answers, {mixed['wakes']} swaps",
-                failed_goal, judge(mixed["failed"], GOAL_CONTENTION_FAILED, at_most=True), mixed["failed"])]
+                failed_goal, G.CONTENTION_FAILED.judge(mixed["failed"]), mixed["failed"])]
 
 
 def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, Any], a: dict[str, Any] | None,
@@ -539,24 +495,24 @@ def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, 
                 + (f"; left failed: {', '.join(failed_states)}" if failed_states else "")
                 + (f"; the resident one evicted {b['small_evictions']}x" if b.get("small_evictions") else "")
                 + beside(f"{a['failed']} failed" if a else ""), g_failed,
-                judge(b["failed"], GOAL_CONTENTION_FAILED, at_most=True), b["failed"])]
+                G.CONTENTION_FAILED.judge(b["failed"]), b["failed"])]
     shares = ", ".join(f"{m} {v:.2f}" for m, v in b["shares"].items())
     rows.append(Row(m_share, f"{b['min_share']:.2f} ({shares}; {b['wakes']} swaps)"
                     + beside(f"{a['min_share']:.2f}, {a['wakes']} swaps" if a else ""), g_share,
-                    judge(b["min_share"] if b["answered"] else None, GOAL_CONTENTION_SHARE, at_most=False),
+                    G.CONTENTION_SHARE.judge(b["min_share"] if b["answered"] else None),
                     b["min_share"]))
     wake = b.get("one_wake_s") if b.get("one_wake_s") is not None else run_wake
     bound = wait_max + wake if wait_max is not None and wake is not None else None
     rows.append(Row(m_p99, f"{_s(b['p99_s'])} (p50 {_s(b['p50_s'])}, max {_s(b['max_s'])}; bound "
                     f"{_s(wait_max)} + wake {_s(wake)})" + beside(f"p99 {_s(a['p99_s'])}" if a else ""),
                     g_p99 + (f" ({_s(bound)})" if bound is not None else ""),
-                    judge(b["p99_s"], bound, at_most=True) if bound is not None else "n/a", b["p99_s"]))
+                    G.CONTENTION_P99.judge(b["p99_s"], bound), b["p99_s"]))
     r = _ratio(b["answered"], one["answered"]) if one else None
     own = _median(b.get("own_start_s"))
     ceiling = answer_ceiling(b, own)
-    verdict = judge(r, GOAL_CONTENTION_ANSWERS, at_most=False)
+    verdict = G.CONTENTION_ANSWERS.judge(r)
     if verdict == "MISS" and ceiling is not None:
-        verdict = judge(r, GOAL_ANSWERS_VS_CEILING * ceiling, at_most=False)
+        verdict = G.ANSWERS_VS_CEILING.judge(r, G.ANSWERS_VS_CEILING.bound * ceiling)
     rows.append(Row(m_answers, (f"{_x(r)} ({b['answered']} vs {one['answered']})" if one
                                 else "the one-model run was not measured")
                     + (f"; ceiling {_x(ceiling)} (a batch {_s(b.get('batch_s'))}, the engine's own start "
@@ -571,7 +527,7 @@ def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, 
                              f"{_ms(phases.get('first answer'))}; started by hand with those requests at once "
                              f"{_ms(at_once)}; {b.get('swaps', 0)} swaps)") if swap is not None and own is not None
                     else "no swap or no start by hand in this run", g_swap,
-                    judge(r, GOAL_SWAP_VS_OWN_START, at_most=True), r))
+                    G.SWAP_VS_OWN_START.judge(r), r))
     return rows
 
 
@@ -579,8 +535,8 @@ def outside_client_rows(outside: dict[str, Any] | None) -> list[Row]:
     """capyctl bench and vLLM's client on CapyCTL and on the same engine launched by hand (issue 47):
     how far the two clients' figures are apart (the worst of decode and first token, on either side),
     and the lowest reading of CapyCTL against direct (either client, decode or first token)."""
-    m_agree, g_agree = "vLLM's client vs capyctl bench, decode and first token", f"within {GOAL_CLIENTS_AGREE:.0%}"
-    m_direct, g_direct = "CapyCTL vs direct, decode and first token, both clients", f">= {GOAL_CAPYCTL_VS_DIRECT:.2f}x"
+    m_agree, g_agree = "vLLM's client vs capyctl bench, decode and first token", G.CLIENTS_AGREE.shown
+    m_direct, g_direct = "CapyCTL vs direct, decode and first token, both clients", G.CAPYCTL_VS_DIRECT.shown
     summary = (outside or {}).get("summary")
     if not summary:
         why = (outside or {}).get("error") or "outside_client.py wrote no result"
@@ -598,10 +554,10 @@ def outside_client_rows(outside: dict[str, Any] | None) -> list[Row]:
     d = ours["capyctl"]
     return [Row(m_agree, f"{apart[worst_apart]:.1%} apart at most ({worst_apart}); capyctl bench on CapyCTL "
                          f"{d['decode_tokens_per_s']:.1f} tokens/s, first token {_ms(d['ttft_s'])}", g_agree,
-                judge(apart[worst_apart], GOAL_CLIENTS_AGREE, at_most=True), apart[worst_apart]),
+                G.CLIENTS_AGREE.judge(apart[worst_apart]), apart[worst_apart]),
             Row(m_direct, f"{_x(versus[worst_versus])} at least ({worst_versus}); "
                           + ", ".join(f"{k} {_x(v)}" for k, v in versus.items()), g_direct,
-                judge(versus[worst_versus], GOAL_CAPYCTL_VS_DIRECT, at_most=False), versus[worst_versus])]
+                G.CAPYCTL_VS_DIRECT.judge(versus[worst_versus]), versus[worst_versus])]
 
 
 def answer_ceiling(scenario: dict[str, Any], own_start: float | None) -> float | None:
@@ -614,15 +570,101 @@ def answer_ceiling(scenario: dict[str, Any], own_start: float | None) -> float |
     return batch / (batch + own_start)
 
 
+def groups(results: dict[str, Any]) -> dict[str, list[Row]]:
+    """The rows by the generated table of docs/benchmarks.md they make (``--docs``), in the order
+    the summary prints them."""
+    pvn = results.get("proxy_vs_nginx")
+    return {
+        "proxy": [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale"))],
+        "door": [scale_row(results.get("daemon_scale")), streams_row(results.get("streams_scale")),
+                 *hostile_rows(results.get("hostile_heads")), engine_client_row(results.get("proxy_hop"))],
+        "contention": contention_rows(results.get("contention")),
+        "kv_park": kv_park_rows(results.get("kv_park")),
+        "outside_client": outside_client_rows(results.get("outside_client")),
+        "hop": [*hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)],
+    }
+
+
 def evaluate(results: dict[str, Any]) -> list[Row]:
     """Every row of issue 14's table (then one hop's and LiteLLM's), from the benchmarks' JSON results by name."""
-    pvn = results.get("proxy_vs_nginx")
-    return [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale")),
-            scale_row(results.get("daemon_scale")), streams_row(results.get("streams_scale")),
-            *hostile_rows(results.get("hostile_heads")), engine_client_row(results.get("proxy_hop")),
-            *contention_rows(results.get("contention")), *kv_park_rows(results.get("kv_park")),
-            *outside_client_rows(results.get("outside_client")),
-            *hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)]
+    return [row for rows in groups(results).values() for row in rows]
+
+
+# ---------------------------------------------------------------- docs/benchmarks.md's generated tables
+
+# The text between these markers in docs/benchmarks.md is bench_summary.py's (``--docs``): a table
+# of the goals (``goals``, or ``goals-N`` for issue N's), or one group of a run's rows (``groups``).
+MARKER = re.compile(r"<!-- bench_summary: begin (?P<name>[\w-]+) -->\n(?P<body>.*?)<!-- bench_summary: end (?P=name) -->",
+                    re.DOTALL)
+
+
+def _cell(text: str) -> str:
+    return one_line(str(text), 400).replace("|", "\\|")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_table(body: str) -> list[list[str]]:
+    """The rows of the first Markdown table in ``body`` (its header first, the rule left out),
+    cells unescaped: what a generated block says, for the tests."""
+    rows = []
+    for line in body.splitlines():
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])]
+        if not all(set(c) <= {"-", ":"} and c for c in cells):
+            rows.append(cells)
+    return rows
+
+
+def render_goals(issue: int | None = None) -> str:
+    """The goals of bench_goals.py (of one issue), as a Markdown table."""
+    return markdown_table(("measure", "goal", "issue"), [(g.measure, g.shown, str(g.issue)) for g in G.GOALS.values()
+                                                         if issue is None or g.issue == issue])
+
+
+def render_markdown(rows: Sequence[Row], source: str) -> str:
+    """One group of a run's rows as a Markdown table, the run's folder named above it."""
+    verdict = {s: sum(1 for r in rows if r.status == s) for s in ("PASS", "MISS", "n/a")}
+    return (f"From the run in `{source}` (`benchmarks/bench_summary.py RUN --docs docs/benchmarks.md`):\n\n"
+            + markdown_table(("measure", "CapyCTL", "goal", "result"), [(r.measure, r.value, r.goal, r.status)
+                                                                         for r in rows])
+            + f"\n\n{verdict['PASS']} PASS, {verdict['MISS']} MISS, {verdict['n/a']} not measured")
+
+
+def update_docs(text: str, results: dict[str, Any] | None, source: str) -> tuple[str, dict[str, str]]:
+    """``text`` with every generated block written anew: the goals' from bench_goals.py, a group's from
+    ``results`` (None: the goals only). A group the run did not measure (every row n/a) keeps what
+    the block said. Returns the new text and, by block, what became of it."""
+    tables = groups(results) if results is not None else {}
+    done: dict[str, str] = {}
+
+    def block(m: re.Match) -> str:
+        name = m.group("name")
+        if name == "goals" or name.startswith("goals-"):
+            body = render_goals(int(name[6:]) if name != "goals" else None)
+            done[name] = "generated"
+        elif results is None:
+            done[name] = "kept: no run given"
+            return m.group(0)
+        elif name not in tables:
+            done[name] = "kept: no such group of rows"
+            return m.group(0)
+        elif all(r.status == "n/a" for r in tables[name]):
+            done[name] = "kept: " + (tables[name][0].value if tables[name] else "no rows in this run")
+            return m.group(0)
+        else:
+            body = render_markdown(tables[name], source)
+            done[name] = "generated"
+        return f"<!-- bench_summary: begin {name} -->\n{body}\n<!-- bench_summary: end {name} -->"
+
+    return MARKER.sub(block, text), done
 
 
 def one_line(text: str, limit: int = 110) -> str:
@@ -715,8 +757,16 @@ def load_results(folder: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="the run's output folder")
+    parser.add_argument("--docs", type=Path, help="write the generated tables of this Markdown file (docs/benchmarks.md) "
+                        "from the run, and nothing into the run's folder")
     args = parser.parse_args(argv)
     results = load_results(args.folder)
+    if args.docs:
+        text, done = update_docs(args.docs.read_text(), results, args.folder.resolve().name)
+        args.docs.write_text(text)
+        for name, what in done.items():
+            print(f"{args.docs}: {name}: {what}")
+        return 0
     rows = evaluate(results)
     print(render_table(rows))
     print()

@@ -11,7 +11,7 @@ Three paths, alternated request by request in an order shuffled each turn (proxy
 - capyctl-aiohttp-client: the same proxy reaching the engine through aiohttp's ClientSession
   instead of its own engine client (capyctl/proxy/_engine_side.py; _one_engine_proxy.py
   --engine-client aiohttp): what the hand-made client saves, measured in the same run (issue 45
-  keeps it only if that is at least ENGINE_CLIENT_PAYS_S a request);
+  keeps it only if that is at least bench_goals.ENGINE_CLIENT_PAYS a request);
 - floor: benchmarks/_minimal_relay.py, the least a Python proxy on the same event loop and parser
   can do (no key, no model read, no admission, no metrics): how much of CapyCTL's hop is its own
   work rather than Python's.
@@ -42,7 +42,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The path of the proxy reaching its engine through aiohttp's client, and what the hand-made client
 # must save a request to stay (issue 45), named where the table judges it.
-from bench_summary import AIOHTTP_CLIENT, ENGINE_CLIENT_PAYS_S  # noqa: E402
+import bench_goals as G  # noqa: E402
+from bench_summary import AIOHTTP_CLIENT  # noqa: E402
 from proxy_overhead import CLIENT_KEY, free_port, p95, shuffled  # noqa: E402
 from proxy_vs_nginx import find_nginx, start_nginx, wait_healthy  # noqa: E402
 
@@ -222,8 +223,8 @@ def main() -> None:
     print(f"engine client: the hand-made one saves {saved['latency_s'] * 1e6:.0f} us a request (median of the "
           f"differences turn by turn; medians {med['capyctl'] * 1e6:.0f} against {med[AIOHTTP_CLIENT] * 1e6:.0f} us) "
           f"and {saved['cpu_s'] * 1e6:.0f} us of proxy CPU: "
-          + ("KEEP" if saved["latency_s"] >= ENGINE_CLIENT_PAYS_S else "DELETE")
-          + f" (issue 45 keeps it from {ENGINE_CLIENT_PAYS_S * 1e6:.0f} us)")
+          + ("KEEP" if saved["latency_s"] >= G.ENGINE_CLIENT_PAYS.bound else "DELETE")
+          + f" (issue 45 keeps it from {G.ENGINE_CLIENT_PAYS.bound * 1e6:.0f} us)")
     print(f"floor, a minimal Python relay (_minimal_relay.py): hop {hop['floor'] * 1e6:.0f} us, "
           f"CPU {cpu['floor'] * 1e6:.0f} us/request")
     if args.json:

@@ -427,7 +427,7 @@ def test_a_goal_inside_the_interval_is_said_to_be_undecided_by_the_run():
     pvn = _pvn()
     # Each turn's added latency anywhere from 0 to twice the goal: the median is near the goal.
     pvn["latency_s"].update(direct=direct, nginx=list(direct),
-                            capyctl=[d + rng.uniform(0, 2 * bs.GOAL_ADDED_MEDIAN_S) for d in direct])
+                            capyctl=[d + rng.uniform(0, 2 * bs.G.ADDED_LATENCY.bound) for d in direct])
     rows = _by_measure(bs.evaluate(_results(proxy_vs_nginx=pvn)))
     assert "goal inside: cannot tell" in rows["added latency, median, 1-token chat"].value
     assert bs.turn_interval({"a": [1.0]}, lambda t: 0.0) is None  # one turn: no interval
@@ -627,3 +627,47 @@ def test_the_resident_models_p99_under_mixed_load_is_judged_against_its_latency_
     assert row.status == "MISS"
     row = _by_measure(bs.contention_rows(_contention(**{"two-mixed": {"error": "RuntimeError: x"}})))[measure]
     assert row.status == "n/a" and row.value == "RuntimeError: x"
+
+
+def test_docs_tables_are_written_from_a_run_folder_and_the_prose_is_left_alone(tmp_path):
+    """bench_summary.py RUN --docs FILE (issue 48): each generated block anew from the run's JSON,
+    the text around the blocks as it was, nothing written into the run, and a group the run did
+    not measure keeps its table."""
+    run = tmp_path / "run-1"
+    run.mkdir()
+    results = _results()
+    del results["outside_client"]
+    for name, result in results.items():
+        (run / f"{name}.json").write_text(json.dumps(result))
+    head = "# Benchmarks\n\nProse with a | pipe, and a goal in words.\n\n"
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(head + "<!-- bench_summary: begin proxy -->\nold figures\n<!-- bench_summary: end proxy -->\n"
+                    "\nBetween the tables.\n\n"
+                    "<!-- bench_summary: begin outside_client -->\nthe run before's figures\n"
+                    "<!-- bench_summary: end outside_client -->\n"
+                    "<!-- bench_summary: begin contention -->\n<!-- bench_summary: end contention -->\n"
+                    "<!-- bench_summary: begin goals-33 -->\n<!-- bench_summary: end goals-33 -->\nThe end.\n")
+    assert bs.main([str(run), "--docs", str(docs)]) == 0
+    text = docs.read_text()
+    assert sorted(p.name for p in run.iterdir()) == sorted(f"{name}.json" for name in results)
+    assert text.startswith(head) and "\n\nBetween the tables.\n\n" in text and text.endswith("\nThe end.\n")
+    blocks = {m.group("name"): m.group("body") for m in bs.MARKER.finditer(text)}
+    assert blocks["outside_client"] == "the run before's figures\n"
+    assert blocks["proxy"].startswith("From the run in `run-1`")
+    expected = bs.groups(bs.load_results(run))
+    for name in ("proxy", "contention"):
+        table = bs.parse_table(blocks[name])
+        assert table[0] == ["measure", "CapyCTL", "goal", "result"]
+        assert table[1:] == [[r.measure, r.value, r.goal, r.status] for r in expected[name]]
+    assert bs.parse_table(blocks["proxy"])[1] == ["added latency, median, 1-token chat",
+                                                  expected["proxy"][0].value, "<= 0.70 ms over direct", "PASS"]
+    assert bs.parse_table(blocks["goals-33"])[1:] == [
+        ["a new turn after an explicit wake against the turn warm", "<= 1.3x warm", "33"],
+        ["the next turn after a park: without restore against with", ">= 3x faster", "33"]]
+    assert bs.main([str(run), "--docs", str(docs)]) == 0
+    assert docs.read_text() == text  # a second pass changes nothing
+
+
+def test_a_markdown_cell_keeps_its_pipes():
+    table = bs.markdown_table(("measure", "value"), [("a | b", "c\nsecond line")])
+    assert bs.parse_table(table) == [["measure", "value"], ["a | b", "c"]]

@@ -1,0 +1,71 @@
+"""benchmarks/hosts_scale.py's goals (issue 36), judged at their bounds from the figures of two
+sizes: per idle host over 1 host, SSH connections, and the list and restart times at the largest."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_summary", REPO / "benchmarks" / "bench_summary.py")
+bs = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("bench_summary", bs)  # dataclasses look their module up
+_spec.loader.exec_module(bs)
+_hspec = importlib.util.spec_from_file_location("hosts_scale", REPO / "benchmarks" / "hosts_scale.py")
+hosts_scale = importlib.util.module_from_spec(_hspec)
+sys.modules.setdefault("hosts_scale", hosts_scale)
+_hspec.loader.exec_module(hosts_scale)
+G = bs.G
+
+MiB = 1 << 20
+
+
+def _size(n: int, rss: float = 60 * MiB, cpu: float = 0.0, ssh: int = 1, connected: int | None = None,
+          listed: float = 0.3, restart: float = 5.0, relaunched: int = 0) -> dict:
+    """hosts_scale.py's figures of one size: idle RSS and CPU, SSH connections of ``connected``
+    hosts (all by default), list times and the restart."""
+    return {"hosts": n, "idle": {"rss": rss, "cpu_unit_pct": cpu, "cpu_daemon_pct": cpu / 2},
+            "ssh_connections": {f"h{i}": ssh for i in range(n if connected is None else connected)},
+            "list_hosts_s": listed, "list_deployments_s": listed,
+            "restart": {"wall_s": restart, "relaunched": relaunched, "units": 64}}
+
+
+def _rows(**top) -> dict:
+    """The goals' rows for 1 and 5 hosts, the 5-host figures as given."""
+    return {r.measure.split(" at ")[0]: r for r in hosts_scale.goals({"1": _size(1), "5": _size(5, **top)})}
+
+
+def test_goals_pass_at_their_bounds():
+    # 4 hosts more: 8 MiB and 0.8% of a core more is 2 MiB and 0.2% a host, the bounds.
+    rows = _rows(rss=68 * MiB, cpu=0.8, listed=1.0, restart=10.0)
+    assert {m: r.status for m, r in rows.items()} == {
+        "daemon RSS per idle host": "PASS", "daemon CPU per idle host": "PASS", "SSH connections per host": "PASS",
+        "list hosts": "PASS", "list deployments": "PASS", "restart to all adopted": "PASS"}
+    assert rows["daemon RSS per idle host"].ratio == 2 * MiB
+    assert rows["daemon CPU per idle host"].ratio == 0.2
+
+
+def test_goals_miss_just_over_their_bounds():
+    rows = _rows(rss=68 * MiB + 4, cpu=0.8004, listed=1.001, restart=10.001)
+    assert {m: r.status for m, r in rows.items() if m != "SSH connections per host"} == {
+        "daemon RSS per idle host": "MISS", "daemon CPU per idle host": "MISS", "list hosts": "MISS",
+        "list deployments": "MISS", "restart to all adopted": "MISS"}
+    assert _rows(ssh=2)["SSH connections per host"].status == "MISS"
+    assert _rows(connected=4)["SSH connections per host"].status == "MISS"  # a host not connected
+    assert _rows(relaunched=1)["restart to all adopted"].status == "MISS"  # in time, but an engine relaunched
+
+
+def test_the_goal_column_is_the_goals_modules():
+    rows = _rows()
+    assert {m: r.goal for m, r in rows.items()} == {
+        "daemon RSS per idle host": G.RSS_PER_HOST.shown, "daemon CPU per idle host": G.CPU_PER_HOST.shown,
+        "SSH connections per host": G.SSH_PER_HOST.shown, "list hosts": G.LIST_S.shown,
+        "list deployments": G.LIST_S.shown, "restart to all adopted": G.RESTART_S.shown}
+    assert G.RSS_PER_HOST.shown == "<= 2 MiB a host" and G.RESTART_S.shown == "<= 10 s, none relaunched"
+
+
+def test_one_size_alone_or_a_failed_size_is_not_judged_per_host():
+    rows = {r.measure.split(" at ")[0]: r for r in hosts_scale.goals({"1": _size(1), "5": {"error": "boom"}})}
+    assert rows["daemon RSS per idle host"].status == "n/a" and rows["daemon CPU per idle host"].status == "n/a"
+    assert rows["list hosts"].status == "PASS"  # the largest size that ran: 1 host
