@@ -38,8 +38,11 @@ What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
   the no-op adapter) but still records the tags. With it but without
   --enable-weights-cpu-backup, releasing ``weights`` discards them (no host copy): after the
   resume the model answers garbage.
-- Multi-node: rank 0 serves HTTP, the other ranks serve nothing (http_server.py launch_server);
-  fake_multinode.py's rendezvous stands in for torch.distributed.
+- Multi-node (entrypoints/engine.py _launch_subprocesses): rank 0 opens the dist-init port at once
+  and serves this HTTP API only once every rank has joined (its schedulers are ready only then);
+  each other rank serves just utils/common.py launch_dummy_health_check_server's /health and
+  /health_generate (200) on its own --host/--port, also once the group has formed.
+  fake_multinode.py's rendezvous stands in for torch.distributed (FakeSglangHead, run_sglang_worker).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -239,33 +243,67 @@ class FakeSglang(FakeEngine):
 
 
 class FakeSglangHead(FakeSglang):
-    """Rank 0 of a multi-node group (``--nnodes N --node-rank 0 --dist-init-addr HEAD:PORT``):
-    the HTTP API plus the rendezvous port workers join (fake_multinode's protocol); /health is
-    503 until every rank has joined, as SGLang's head only serves once the group is complete."""
+    """Rank 0 of a multi-node group (``--nnodes N --node-rank 0 --dist-init-addr HEAD:PORT``).
+
+    entrypoints/engine.py _launch_subprocesses: the head waits for every local scheduler's "ready"
+    before it starts the tokenizer and the HTTP server (http_server.py launch_server), and a
+    scheduler is ready only once torch.distributed's group of all ``nnodes`` ranks has formed and the
+    model is loaded. So the rendezvous port opens at once, and the HTTP port only once every rank has
+    joined (fake_multinode.py stands in for the group); before that nothing listens on it.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        from fake_multinode import Head
-        self.group = Head(args)
+        from fake_multinode import Rendezvous
+        self.group = Rendezvous(args.nnodes, args.dist_init_addr)
 
     async def health(self, request: web.Request) -> web.Response:
-        joined = len(self.group.joined)
-        if joined != self.group.args.nnodes:
-            return web.Response(status=503, text=f"{joined}/{self.group.args.nnodes} ranks joined")
+        if len(self.group.joined) != self.group.nnodes:
+            # Not from the source: a rank lost after the group formed. Real SGLang's next collective
+            # hangs or fails (torch.distributed/NCCL decide which); the fake's generation check fails.
+            return web.Response(status=503)
         return await super().health(request)
 
-    def app(self) -> web.Application:
-        app = super().app()
+    async def serve_when_formed(self) -> web.Application:
+        await self.group.open()
+        await self.group.complete.wait()
+        app = self.app()
 
-        async def rendezvous(app: web.Application):
-            from fake_multinode import split_addr
-            host, port = split_addr(self.group.args.dist_init_addr)
-            server = await asyncio.start_server(self.group.on_worker, host, port)
-            yield
-            server.close()
+        async def close_rendezvous(app: web.Application) -> None:
+            self.group.close()
 
-        app.cleanup_ctx.append(rendezvous)
+        app.on_cleanup.append(close_rendezvous)
         return app
+
+
+async def run_sglang_worker(args: argparse.Namespace) -> int:
+    """A rank other than 0: entrypoints/engine.py _launch_subprocesses (node_rank >= 1) starts no
+    tokenizer nor API server; once its schedulers are ready (the group formed) it serves
+    utils/common.py launch_dummy_health_check_server on --host/--port: GET /health and
+    /health_generate answer 200 with an empty body, whatever the ranks do; it lives as long as its
+    schedulers, which here means as long as the head (fake_multinode.py)."""
+    from fake_multinode import run_worker
+
+    runner: web.AppRunner | None = None
+
+    async def dummy_health_server() -> None:
+        nonlocal runner
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.Response(status=200)
+
+        app = web.Application()
+        for path in ("/health", "/health_generate"):
+            app.router.add_get(path, ok)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+
+    try:
+        return await run_worker(args, "fake-sglang", dummy_health_server)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,10 +377,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.nnodes > 1:
         if args.tp_size % args.nnodes:  # arg_groups/validation_hook.py check_server_args
             raise AssertionError("tp_size must be divisible by number of nodes")
-        if args.node_rank > 0:  # a worker serves no HTTP: it joins the head and lives with it
-            from fake_multinode import run_worker
-            sys.exit(asyncio.run(run_worker(args)))
-        serve(FakeSglangHead(args), args.host, args.port, args.startup_delay)
+        if args.node_rank > 0:
+            sys.exit(asyncio.run(run_sglang_worker(args)))
+        if args.startup_delay > 0:
+            time.sleep(args.startup_delay)
+        # run_app awaits the group before it binds --host/--port; SIGTERM stops it cleanly once serving.
+        web.run_app(FakeSglangHead(args).serve_when_formed(), host=args.host, port=args.port, print=None,
+                    access_log=None)
         return
     serve(FakeSglang(args), args.host, args.port, args.startup_delay)
 
