@@ -23,6 +23,9 @@ What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
   (entrypoints/http_server.py): a JSON body is required (FastAPI Body(): 422 without one);
   ``{"tags": null}`` or ``[]`` means kv_cache, weights and cuda_graph (constants.py
   GPU_MEMORY_ALL_TYPES); success is 200 with a null body.
+- ``POST /update_weights_from_disk {"model_path"}`` (entrypoints/http_server.py): 200
+  ``{"success": true, "message", "num_paused_requests"}``, 400 with success false when the load
+  fails; it restores weights lost to a resume without the CPU backup.
 - What kills the whole server (managers/scheduler_components/weight_updater.py; a scheduler
   exception SIGQUITs the main process, whose handler SIGKILLs the process tree, itself included:
   managers/tokenizer_manager.py SignalHandler, utils/common.py kill_process_tree), so this fake
@@ -31,6 +34,7 @@ What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
   * a resume of a tag that is not released (``self.offload_tags.remove(tag)``, KeyError);
   * with --enable-memory-saver, a release of a region already paused or a resume of one not
     paused (torch_memory_saver csrc/core.cpp pause/resume: exit(1), seen by the watchdog);
+  * with --enable-memory-saver, update_weights_from_disk while the weights are released;
   * with --enable-memory-saver, generation (or /health, which generates one token unless
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false) while weights or kv_cache are released: the
     scheduler has no guard, and the released pages are unmapped (the kernel faults).
@@ -148,6 +152,7 @@ class FakeSglang(FakeEngine):
         for method in ("GET", "POST"):
             app.router.add_route(method, "/release_memory_occupation", self.release)
             app.router.add_route(method, "/resume_memory_occupation", self.resume)
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         app.router.add_get("/health_generate", self.health)
         app.router.add_get("/ready", self.ready)
 
@@ -240,6 +245,40 @@ class FakeSglang(FakeEngine):
                 if tag == WEIGHTS and not self.weights_cpu_backup:
                     self.weights_lost = True
         return web.json_response(None)
+
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """entrypoints/http_server.py update_weights_from_disk: ``{"model_path", ...}`` (a JSON body is
+        required: 422 without one, as for the memory routes); 200 ``{"success": true, "message",
+        "num_paused_requests"}``, 400 with success false when the load failed. The load writes the
+        checkpoint into the weights' memory (model_executor/model_runner.py update_weights_from_disk):
+        after a resume without the CPU backup that restores them; into a region still paused by the
+        memory saver it faults, as generation does."""
+        raw = await request.read()
+        if not raw:
+            return web.json_response({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required",
+                                                  "input": None}]}, status=422)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            return web.json_response({"detail": [{"type": "json_invalid", "loc": ["body", 0],
+                                                  "msg": "JSON decode error", "ctx": {"error": str(exc)}}]},
+                                     status=422)
+        model_path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(model_path, str):
+            return web.json_response({"detail": [{"type": "missing", "loc": ["body", "model_path"],
+                                                  "msg": "Field required", "input": body}]}, status=422)
+        self.stats["update_weights_calls"] = self.stats.get("update_weights_calls", 0) + 1
+        if WEIGHTS in self.paused:
+            self.crash("CUDA error: an illegal memory access was encountered (update_weights_from_disk "
+                       "into released weights)")
+        if not Path(model_path).is_dir():  # Not from the source: the fake's stand-in for a failed load
+            return web.json_response({"success": False, "num_paused_requests": 0,
+                                      "message": f"Failed to update weights: {model_path} is not a checkpoint"},
+                                     status=400)
+        self.weights_lost = False
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
 
 
 class FakeSglangHead(FakeSglang):
