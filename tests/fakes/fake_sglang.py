@@ -44,8 +44,8 @@ What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
   resume the model answers garbage.
 - Multi-node (entrypoints/engine.py _launch_subprocesses): rank 0 opens the dist-init port at once
   and serves this HTTP API only once every rank has joined (its schedulers are ready only then);
-  each other rank serves just utils/common.py launch_dummy_health_check_server's /health and
-  /health_generate (200) on its own --host/--port, also once the group has formed.
+  each other rank serves just utils/common.py launch_dummy_health_check_server's /ping, /health
+  and /health_generate (200) on its own --host/--port, also once the group has formed.
   fake_multinode.py's rendezvous stands in for torch.distributed (FakeSglangHead, run_sglang_worker).
 """
 
@@ -251,7 +251,8 @@ class FakeSglang(FakeEngine):
         """entrypoints/http_server.py update_weights_from_disk: ``{"model_path", ...}`` (a JSON body is
         required: 422 without one, as for the memory routes); 200 ``{"success": true, "message",
         "num_paused_requests"}``, 400 with success false when the load failed. The load writes the
-        checkpoint into the weights' memory (model_executor/model_runner.py update_weights_from_disk):
+        checkpoint into the weights' memory (managers/scheduler_components/weight_updater.py,
+        model_executor/model_runner_components/weight_updater.py update_weights_from_disk):
         after a resume without the CPU backup that restores them; into a region still paused by the
         memory saver it faults, as generation does."""
         raw = await request.read()
@@ -272,9 +273,10 @@ class FakeSglang(FakeEngine):
         if WEIGHTS in self.paused:
             self.crash("CUDA error: an illegal memory access was encountered (update_weights_from_disk "
                        "into released weights)")
-        if not Path(model_path).is_dir():  # Not from the source: the fake's stand-in for a failed load
+        if not Path(model_path).is_dir():  # the fake's stand-in for a checkpoint the loader cannot read
+            # model_executor/model_runner_components/weight_updater.py: "Failed to get weights iterator: {e}."
             return web.json_response({"success": False, "num_paused_requests": 0,
-                                      "message": f"Failed to update weights: {model_path} is not a checkpoint"},
+                                      "message": f"Failed to get weights iterator: no checkpoint at {model_path}."},
                                      status=400)
         self.weights_lost = False
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
@@ -318,9 +320,13 @@ class FakeSglangHead(FakeSglang):
 async def run_sglang_worker(args: argparse.Namespace) -> int:
     """A rank other than 0: entrypoints/engine.py _launch_subprocesses (node_rank >= 1) starts no
     tokenizer nor API server; once its schedulers are ready (the group formed) it serves
-    utils/common.py launch_dummy_health_check_server on --host/--port: GET /health and
+    utils/common.py launch_dummy_health_check_server on --host/--port: GET /ping, /health and
     /health_generate answer 200 with an empty body, whatever the ranks do; it lives as long as its
-    schedulers, which here means as long as the head (fake_multinode.py)."""
+    schedulers, which here means as long as the head (fake_multinode.py).
+
+    Not modelled: SGLang 0.5.23's worker answers SIGTERM with a warning only ("waiting for the rank-0
+    ShutdownReq broadcast to stop the schedulers", engine.py sigterm_handler) and stops when rank 0
+    shuts down or it is killed; this fake worker exits on SIGTERM at once."""
     from fake_multinode import run_worker
 
     runner: web.AppRunner | None = None
@@ -332,7 +338,7 @@ async def run_sglang_worker(args: argparse.Namespace) -> int:
             return web.Response(status=200)
 
         app = web.Application()
-        for path in ("/health", "/health_generate"):
+        for path in ("/ping", "/health", "/health_generate"):
             app.router.add_get(path, ok)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
