@@ -66,12 +66,11 @@ def multinode_flags(engine: str, *, nnodes: int, rank: int, head_address: str, d
     SGLang: ``--nnodes N --node-rank R --dist-init-addr HEAD:PORT`` on every node.
     vLLM (multiprocessing executor, no Ray): ``--nnodes N --node-rank R --master-addr HEAD
     --master-port PORT`` on every node, and ``--headless`` on workers, which run no API server.
-    The fake member in tests/fakes/fake_multinode.py takes the SGLang spelling.
     """
     if nnodes < 2 or not 0 <= rank < nnodes:
         raise CapyError(f"rank {rank} of a {nnodes}-node group is not valid", code="invalid_topology", status=400)
     host = f"[{head_address}]" if ":" in head_address else head_address
-    if engine in ("sglang", "fake_multinode"):
+    if engine == "sglang":
         # SGLang 0.5.23: sglang/srt/arg_groups/fields/parallel.py (--nnodes, --node-rank,
         # --dist-init-addr); the address is parsed by utils/network.py NetworkAddress.parse, which
         # needs IPv6 bracketed. The adapter passes --tp-size as the total across the nodes.

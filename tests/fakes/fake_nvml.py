@@ -143,8 +143,10 @@ class EngineStartFailed(RuntimeError):
     """What a real engine raises (and dies of) when the card lacks the memory it asked for."""
 
 
-# A CUDA context on a recent NVIDIA card: a few hundred MiB that NVML counts to the process.
-CUDA_CONTEXT = 500 << 20
+# The CUDA context NVML counts to a process beyond its own allocations: 595 MiB, measured on an
+# NVIDIA H200 (driver 580.159.04, CUDA 13) with cuBLAS and the kernels loaded (docs/gpu-check.md,
+# "Last run": "NVML showed each process 595 MiB beyond llama-server's own account: the CUDA context").
+CUDA_CONTEXT = 595 << 20
 
 
 def start_like_vllm(device: FakeDevice, pid: int, fraction: float, *, context: int = CUDA_CONTEXT) -> int:

@@ -23,7 +23,18 @@ DEFAULT_MAX_TOKENS = 16
 
 
 class Aborted(Exception):
-    """The engine dropped this request (vLLM's default sleep does this to running requests)."""
+    """The engine aborted this request (vLLM's default sleep, mode=abort, does this to running requests)."""
+
+
+# vLLM 0.32.0 (the only engine here that aborts requests it is running: SGLang's release dies
+# instead): pause_scheduler(mode="abort") finishes every running request with FinishReason.ABORT
+# and sends it to the client as a finished output with no new tokens (vllm/v1/engine/core.py
+# pause_scheduler, _send_abort_outputs; v1/engine/__init__.py FinishReason, "abort"). The OpenAI
+# servers raise only for finish_reason "error" (entrypoints/generate/base/serving.py
+# _raise_if_error), so the request ends as any other: 200 with the tokens generated so far and
+# finish_reason "abort", or a streamed last chunk with that finish_reason, the usage chunk if asked,
+# then [DONE] (entrypoints/openai/chat_completion/serving.py, completion/serving.py).
+ABORT = "abort"
 
 
 @dataclass
@@ -155,9 +166,15 @@ class FakeEngine:
         try:
             if body.get("stream"):
                 return await self._stream(request, body, run, pieces, finish, prompt_tokens, delay, chat)
-            for _ in pieces:
-                await self._tick(run, delay)
-            self.stats["completed"] += 1
+            done = 0
+            try:
+                for _ in pieces:
+                    await self._tick(run, delay)
+                    done += 1
+                self.stats["completed"] += 1
+            except Aborted:
+                self.stats["aborted"] += 1
+                pieces, finish = pieces[:done], ABORT
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
                      "total_tokens": prompt_tokens + len(pieces)}
             text = "".join(pieces)
@@ -167,9 +184,6 @@ class FakeEngine:
             return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                       "created": int(time.time()), "model": self.served_name,
                                       "choices": [choice], "usage": usage})
-        except Aborted:
-            self.stats["aborted"] += 1
-            return self.error("The request was aborted: the engine was put to sleep.", "AbortedError", 503)
         finally:
             self.running.pop(rid, None)
 
@@ -196,26 +210,25 @@ class FakeEngine:
                     "choices": [choice]}
             return f"data: {json.dumps(data)}\n\n".encode()
 
+        if chat:
+            await resp.write(chunk({"role": "assistant", "content": ""}, None))
+        sent = 0
         try:
-            if chat:
-                await resp.write(chunk({"role": "assistant", "content": ""}, None))
             for piece in pieces:
                 await self._tick(run, delay)
                 await resp.write(chunk({"content": piece} if chat else piece, None))
-            await resp.write(chunk({} if chat else "", finish))
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"id": run.id, "object": obj, "created": int(time.time()), "model": self.served_name,
-                         "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                  "completion_tokens": len(pieces),
-                                                  "total_tokens": prompt_tokens + len(pieces)}}
-                await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
-            await resp.write(b"data: [DONE]\n\n")
+                sent += 1
             self.stats["completed"] += 1
-        except Aborted:
+        except Aborted:  # the finish with no new tokens, as any other finish (see ABORT)
             self.stats["aborted"] += 1
-            err = {"error": {"message": "The request was aborted: the engine was put to sleep.",
-                             "type": "AbortedError", "code": 503}}
-            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+            finish = ABORT
+        await resp.write(chunk({} if chat else "", finish))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": run.id, "object": obj, "created": int(time.time()), "model": self.served_name,
+                     "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": sent,
+                                              "total_tokens": prompt_tokens + sent}}
+            await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 

@@ -23,6 +23,9 @@ What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
   (entrypoints/http_server.py): a JSON body is required (FastAPI Body(): 422 without one);
   ``{"tags": null}`` or ``[]`` means kv_cache, weights and cuda_graph (constants.py
   GPU_MEMORY_ALL_TYPES); success is 200 with a null body.
+- ``POST /update_weights_from_disk {"model_path"}`` (entrypoints/http_server.py): 200
+  ``{"success": true, "message", "num_paused_requests"}``, 400 with success false when the load
+  fails; it restores weights lost to a resume without the CPU backup.
 - What kills the whole server (managers/scheduler_components/weight_updater.py; a scheduler
   exception SIGQUITs the main process, whose handler SIGKILLs the process tree, itself included:
   managers/tokenizer_manager.py SignalHandler, utils/common.py kill_process_tree), so this fake
@@ -31,6 +34,7 @@ What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
   * a resume of a tag that is not released (``self.offload_tags.remove(tag)``, KeyError);
   * with --enable-memory-saver, a release of a region already paused or a resume of one not
     paused (torch_memory_saver csrc/core.cpp pause/resume: exit(1), seen by the watchdog);
+  * with --enable-memory-saver, update_weights_from_disk while the weights are released;
   * with --enable-memory-saver, generation (or /health, which generates one token unless
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false) while weights or kv_cache are released: the
     scheduler has no guard, and the released pages are unmapped (the kernel faults).
@@ -38,8 +42,11 @@ What it follows (paths under sglang/srt/ in the 0.5.23 wheel):
   the no-op adapter) but still records the tags. With it but without
   --enable-weights-cpu-backup, releasing ``weights`` discards them (no host copy): after the
   resume the model answers garbage.
-- Multi-node: rank 0 serves HTTP, the other ranks serve nothing (http_server.py launch_server);
-  fake_multinode.py's rendezvous stands in for torch.distributed.
+- Multi-node (entrypoints/engine.py _launch_subprocesses): rank 0 opens the dist-init port at once
+  and serves this HTTP API only once every rank has joined (its schedulers are ready only then);
+  each other rank serves just utils/common.py launch_dummy_health_check_server's /ping, /health
+  and /health_generate (200) on its own --host/--port, also once the group has formed.
+  fake_multinode.py's rendezvous stands in for torch.distributed (FakeSglangHead, run_sglang_worker).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -144,6 +152,7 @@ class FakeSglang(FakeEngine):
         for method in ("GET", "POST"):
             app.router.add_route(method, "/release_memory_occupation", self.release)
             app.router.add_route(method, "/resume_memory_occupation", self.resume)
+        app.router.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         app.router.add_get("/health_generate", self.health)
         app.router.add_get("/ready", self.ready)
 
@@ -238,34 +247,108 @@ class FakeSglang(FakeEngine):
         return web.json_response(None)
 
 
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """entrypoints/http_server.py update_weights_from_disk: ``{"model_path", ...}`` (a JSON body is
+        required: 422 without one, as for the memory routes); 200 ``{"success": true, "message",
+        "num_paused_requests"}``, 400 with success false when the load failed. The load writes the
+        checkpoint into the weights' memory (managers/scheduler_components/weight_updater.py,
+        model_executor/model_runner_components/weight_updater.py update_weights_from_disk):
+        after a resume without the CPU backup that restores them; into a region still paused by the
+        memory saver it faults, as generation does."""
+        raw = await request.read()
+        if not raw:
+            return web.json_response({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required",
+                                                  "input": None}]}, status=422)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            return web.json_response({"detail": [{"type": "json_invalid", "loc": ["body", 0],
+                                                  "msg": "JSON decode error", "ctx": {"error": str(exc)}}]},
+                                     status=422)
+        model_path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(model_path, str):
+            return web.json_response({"detail": [{"type": "missing", "loc": ["body", "model_path"],
+                                                  "msg": "Field required", "input": body}]}, status=422)
+        self.stats["update_weights_calls"] = self.stats.get("update_weights_calls", 0) + 1
+        if WEIGHTS in self.paused:
+            self.crash("CUDA error: an illegal memory access was encountered (update_weights_from_disk "
+                       "into released weights)")
+        if not Path(model_path).is_dir():  # the fake's stand-in for a checkpoint the loader cannot read
+            # model_executor/model_runner_components/weight_updater.py: "Failed to get weights iterator: {e}."
+            return web.json_response({"success": False, "num_paused_requests": 0,
+                                      "message": f"Failed to get weights iterator: no checkpoint at {model_path}."},
+                                     status=400)
+        self.weights_lost = False
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+
 class FakeSglangHead(FakeSglang):
-    """Rank 0 of a multi-node group (``--nnodes N --node-rank 0 --dist-init-addr HEAD:PORT``):
-    the HTTP API plus the rendezvous port workers join (fake_multinode's protocol); /health is
-    503 until every rank has joined, as SGLang's head only serves once the group is complete."""
+    """Rank 0 of a multi-node group (``--nnodes N --node-rank 0 --dist-init-addr HEAD:PORT``).
+
+    entrypoints/engine.py _launch_subprocesses: the head waits for every local scheduler's "ready"
+    before it starts the tokenizer and the HTTP server (http_server.py launch_server), and a
+    scheduler is ready only once torch.distributed's group of all ``nnodes`` ranks has formed and the
+    model is loaded. So the rendezvous port opens at once, and the HTTP port only once every rank has
+    joined (fake_multinode.py stands in for the group); before that nothing listens on it.
+    """
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
-        from fake_multinode import Head
-        self.group = Head(args)
+        from fake_multinode import Rendezvous
+        self.group = Rendezvous(args.nnodes, args.dist_init_addr)
 
     async def health(self, request: web.Request) -> web.Response:
-        joined = len(self.group.joined)
-        if joined != self.group.args.nnodes:
-            return web.Response(status=503, text=f"{joined}/{self.group.args.nnodes} ranks joined")
+        if len(self.group.joined) != self.group.nnodes:
+            # Not from the source: a rank lost after the group formed. Real SGLang's next collective
+            # hangs or fails (torch.distributed/NCCL decide which); the fake's generation check fails.
+            return web.Response(status=503)
         return await super().health(request)
 
-    def app(self) -> web.Application:
-        app = super().app()
+    async def serve_when_formed(self) -> web.Application:
+        await self.group.open()
+        await self.group.complete.wait()
+        app = self.app()
 
-        async def rendezvous(app: web.Application):
-            from fake_multinode import split_addr
-            host, port = split_addr(self.group.args.dist_init_addr)
-            server = await asyncio.start_server(self.group.on_worker, host, port)
-            yield
-            server.close()
+        async def close_rendezvous(app: web.Application) -> None:
+            self.group.close()
 
-        app.cleanup_ctx.append(rendezvous)
+        app.on_cleanup.append(close_rendezvous)
         return app
+
+
+async def run_sglang_worker(args: argparse.Namespace) -> int:
+    """A rank other than 0: entrypoints/engine.py _launch_subprocesses (node_rank >= 1) starts no
+    tokenizer nor API server; once its schedulers are ready (the group formed) it serves
+    utils/common.py launch_dummy_health_check_server on --host/--port: GET /ping, /health and
+    /health_generate answer 200 with an empty body, whatever the ranks do; it lives as long as its
+    schedulers, which here means as long as the head (fake_multinode.py).
+
+    Not modelled: SGLang 0.5.23's worker answers SIGTERM with a warning only ("waiting for the rank-0
+    ShutdownReq broadcast to stop the schedulers", engine.py sigterm_handler) and stops when rank 0
+    shuts down or it is killed; this fake worker exits on SIGTERM at once."""
+    from fake_multinode import run_worker
+
+    runner: web.AppRunner | None = None
+
+    async def dummy_health_server() -> None:
+        nonlocal runner
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.Response(status=200)
+
+        app = web.Application()
+        for path in ("/ping", "/health", "/health_generate"):
+            app.router.add_get(path, ok)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, args.host, args.port).start()
+
+    try:
+        return await run_worker(args, "fake-sglang", dummy_health_server)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,10 +422,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.nnodes > 1:
         if args.tp_size % args.nnodes:  # arg_groups/validation_hook.py check_server_args
             raise AssertionError("tp_size must be divisible by number of nodes")
-        if args.node_rank > 0:  # a worker serves no HTTP: it joins the head and lives with it
-            from fake_multinode import run_worker
-            sys.exit(asyncio.run(run_worker(args)))
-        serve(FakeSglangHead(args), args.host, args.port, args.startup_delay)
+        if args.node_rank > 0:
+            sys.exit(asyncio.run(run_sglang_worker(args)))
+        if args.startup_delay > 0:
+            time.sleep(args.startup_delay)
+        # run_app awaits the group before it binds --host/--port; SIGTERM stops it cleanly once serving.
+        web.run_app(FakeSglangHead(args).serve_when_formed(), host=args.host, port=args.port, print=None,
+                    access_log=None)
         return
     serve(FakeSglang(args), args.host, args.port, args.startup_delay)
 

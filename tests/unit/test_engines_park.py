@@ -127,6 +127,19 @@ async def test_vllm_level2_wake_reloads_weights(tmp_path, session):
         server.stop()
 
 
+def chunks(events: list[str]) -> list[dict]:
+    return [json.loads(e[len("data: "):]) for e in events if e.startswith("data: {")]
+
+
+def last_finish(events: list[str]) -> str | None:
+    return [c["choices"][0]["finish_reason"] for c in chunks(events) if c.get("choices")][-1]
+
+
+def content(events: list[str]) -> list[int]:
+    """1 for each chunk that carries generated text."""
+    return [1 for c in chunks(events) if c.get("choices") and c["choices"][0]["delta"].get("content")]
+
+
 async def test_vllm_park_lets_a_request_in_flight_finish_where_the_default_sleep_aborts_it(tmp_path, session):
     adapter, plan, server = launch(tmp_path, "vllm")
     body = {"model": "tiny", "messages": [{"role": "user", "content": "a long answer please"}], "stream": True,
@@ -139,16 +152,18 @@ async def test_vllm_park_lets_a_request_in_flight_finish_where_the_default_sleep
             await resp.content.readline()  # the first event arrived: the request is running
             await adapter.park(session, server.base_url, KEY, 1)
             events = [line.decode().strip() async for line in resp.content if line.strip()]
-        assert events[-1] == "data: [DONE]"
+        assert events[-1] == "data: [DONE]" and last_finish(events) == "stop"
+        full = sum(content(events))  # the whole answer
         await adapter.wake(session, server.base_url, KEY, 1)
-        # vLLM's default mode (abort) drops it: why the adapter never sends the default.
+        # vLLM's default mode (abort) cuts it short, finish_reason "abort" (v1/engine/core.py
+        # pause_scheduler): why the adapter never sends the default.
         async with session.post(server.base_url + "/v1/chat/completions", json=body, headers=headers) as resp:
             await resp.content.readline()
             async with session.post(server.base_url + "/sleep", params={"level": "1"}) as r:
                 assert r.status == 200 and await r.json() == {"status": "sleeping", "level": 1}
             events = [line.decode().strip() async for line in resp.content if line.strip()]
-        assert "data: [DONE]" not in events
-        assert "aborted" in json.loads(events[-1][len("data: "):])["error"]["message"]
+        assert events[-1] == "data: [DONE]" and last_finish(events) == "abort"
+        assert sum(content(events)) < full
         s = await stats(session, server.base_url)
         assert s["aborted"] == 1 and s["in_flight"] == 0
     finally:

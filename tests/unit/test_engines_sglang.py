@@ -10,7 +10,6 @@ generation on released memory, and the fake does too.
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -22,7 +21,7 @@ from capyctl.engines import LaunchContext, adapter_for
 from capyctl.engines.sglang import PARK_TAGS, SglangAdapter
 from capyctl.errors import CapyError, EngineError
 from capyctl.spec import DeploymentSpec, EngineSpec
-from tests.fakes import FAKE_SGLANG, free_port, make_fake_sglang_venv, start_plan, start_server
+from tests.fakes import free_port, make_fake_sglang_venv, start_plan
 from tests.fakes.fake_sglang import build_parser, merge_config
 
 # All digits with a leading zero: unquoted in YAML it would load as an (octal) int, not this string.
@@ -146,16 +145,16 @@ async def session():
         yield s
 
 
-def launch(tmp_path: Path, adapter: SglangAdapter | None = None, **kw):
+def launch(tmp_path: Path, adapter: SglangAdapter | None = None, **spec):
     venv = make_fake_sglang_venv(tmp_path / "sglang-env")
     eng = EngineSpec(kind="engine", name="sglang-fake", type="sglang", path=str(venv))
     model_dir = tmp_path / "model"
     model_dir.mkdir(exist_ok=True)
     secrets = tmp_path / "secrets"
     secrets.mkdir(mode=0o700, exist_ok=True)
-    dep = DeploymentSpec(name="tiny", engine=eng.name, model={"path": str(model_dir)})
+    dep = DeploymentSpec(name="tiny", engine=eng.name, model={"path": str(model_dir)}, **spec)
     port = free_port()
-    c = LaunchContext(deployment=dep, engine=eng, model_path=str(model_dir), port=port, secret_dir=str(secrets), **kw)
+    c = LaunchContext(deployment=dep, engine=eng, model_path=str(model_dir), port=port, secret_dir=str(secrets))
     adapter = adapter or SglangAdapter()
     plan = adapter.build_launch(c)
     server = start_plan(plan, KEY, port, log_path=tmp_path / "sglang.log", secret_dir=secrets)
@@ -252,73 +251,28 @@ async def test_the_key_guards_the_routes_and_stays_out_of_the_command_line(tmp_p
         server.stop()
 
 
-async def test_release_and_resume_answer_null_and_a_missing_body_is_422(tmp_path, session):
-    server = start_fake(tmp_path, "--enable-memory-saver", "--enable-weights-cpu-backup")
+async def test_a_deep_park_rereads_the_weights_on_wake(tmp_path, session):
+    """park_tier deep: the memory saver without the CPU backup, so the resumed weights region is fresh
+    memory and the answers garbage until the adapter re-reads the checkpoint (update_weights_from_disk)."""
+    adapter, plan, server = launch(tmp_path, park_tier="deep")
     try:
+        assert "--enable-memory-saver" in plan.argv and "--enable-weights-cpu-backup" not in plan.argv
         await wait_health(session, server)
-        url = server.base_url
-        async with session.post(url + "/release_memory_occupation") as r:
-            assert r.status == 422
-        async with session.post(url + "/release_memory_occupation", json={"tags": None}) as r:
-            assert r.status == 200 and await r.json() is None
-        assert (await stats(session, url))["released_tags"] == sorted(PARK_TAGS)  # null means every tag
-        async with session.post(url + "/resume_memory_occupation", json={}) as r:
-            assert r.status == 200 and await r.text() == "null"
-    finally:
-        server.stop()
-
-
-def start_fake(tmp_path: Path, *flags: str):
-    port = free_port()
-    return start_server([sys.executable, str(FAKE_SGLANG), "--model-path", "m", "--served-model-name", "tiny",
-                         "--port", str(port), *flags],
-                        port, log_path=tmp_path / "fake.log")
-
-
-async def post_tags(session, url: str, path: str, tags: list[str]):
-    async with session.post(url + path, json={"tags": tags}) as r:
-        return r.status
-
-
-async def test_without_the_cpu_backup_the_weights_come_back_as_garbage(tmp_path, session):
-    server = start_fake(tmp_path, "--enable-memory-saver")  # what the adapter used to launch
-    try:
-        await wait_health(session, server)
-        _, before = await chat(session, server.base_url)
-        assert await post_tags(session, server.base_url, "/release_memory_occupation", ["weights", "kv_cache"]) == 200
-        assert await post_tags(session, server.base_url, "/resume_memory_occupation", ["weights", "kv_cache"]) == 200
+        status, before = await chat(session, server.base_url)
+        assert status == 200
+        await adapter.park(session, server.base_url, KEY, 2)
+        await adapter.wake(session, server.base_url, KEY, 2, model_path=str(tmp_path / "model"))
         status, after = await chat(session, server.base_url)
-        assert status == 200 and after["choices"][0]["message"] != before["choices"][0]["message"]
+        assert status == 200 and after["choices"][0]["message"] == before["choices"][0]["message"]
+        s = await stats(session, server.base_url)
+        assert (s["release_calls"], s["resume_calls"], s["update_weights_calls"], s["weights_lost"]) == (1, 1, 1, False)
+
+        # A host_backed wake (level 1) of the same launch does not re-read them: SGLang answers garbage.
+        await adapter.park(session, server.base_url, KEY, 2)
+        await adapter.wake(session, server.base_url, KEY, 1)
+        status, garbage = await chat(session, server.base_url)
+        assert status == 200 and garbage["choices"][0]["message"] != before["choices"][0]["message"]
         assert (await stats(session, server.base_url))["weights_lost"] is True
-    finally:
-        server.stop()
-
-
-@pytest.mark.parametrize("case", ["resume_unreleased", "release_twice", "generate_while_released",
-                                  "health_while_released"])
-async def test_the_fake_dies_as_sglang_does_on_a_bad_sequence(tmp_path, session, case):
-    server = start_fake(tmp_path, "--enable-memory-saver", "--enable-weights-cpu-backup")
-    try:
-        await wait_health(session, server)
-        url = server.base_url
-        if case == "resume_unreleased":
-            await post_tags(session, url, "/release_memory_occupation", ["kv_cache"])
-            request = post_tags(session, url, "/resume_memory_occupation", ["kv_cache", "weights"])
-        elif case == "release_twice":
-            await post_tags(session, url, "/release_memory_occupation", ["weights"])
-            request = post_tags(session, url, "/release_memory_occupation", ["weights"])
-        elif case == "generate_while_released":
-            await post_tags(session, url, "/release_memory_occupation", list(PARK_TAGS))
-            request = chat(session, url)
-        else:
-            await post_tags(session, url, "/release_memory_occupation", list(PARK_TAGS))
-            request = session.get(url + "/health")
-        with pytest.raises(aiohttp.ClientError):  # the server dies mid-request: no answer at all
-            result = await request
-            if hasattr(result, "release"):
-                result.release()
-        assert exit_status(server) == -9  # SIGKILLed by its own SIGQUIT handler's kill_process_tree
-        assert "Scheduler hit an exception" in (tmp_path / "fake.log").read_text()
     finally:
         server.stop()
 
@@ -329,10 +283,13 @@ async def test_a_release_with_a_request_running_kills_sglang(tmp_path, session):
     try:
         await wait_health(session, server)
         running = asyncio.create_task(chat(session, server.base_url, max_tokens=10, fake_token_delay=0.2))
-        for _ in range(100):
-            if (await stats(session, server.base_url))["in_flight"] == 1:
-                break
-            await asyncio.sleep(0.02)
+
+        async def request_running() -> None:
+            while (await stats(session, server.base_url))["in_flight"] != 1:
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(request_running(), 10)  # a TimeoutError fails the test: never got there
+        assert (await stats(session, server.base_url))["in_flight"] == 1 and not running.done()
         with pytest.raises(EngineError) as err:
             await adapter.park(session, server.base_url, KEY, 1)
         assert err.value.code == "engine_unreachable"

@@ -201,6 +201,14 @@ async def test_sleep_routes_take_only_the_sleep_token(tmp_path, session):
         assert err.value.detail["status"] == 401 and "invalid_sleep_token" in err.value.message
         await ADAPTER.park(session, server.base_url, "sleep-token", 2)
         assert await ADAPTER.is_parked(session, server.base_url, "sleep-token") is True
+        # lifecycle_http.py admin (TensorFold 12cd226a): a level but 2, or a query on the other routes, is 400.
+        sleep = {"Authorization": "Bearer sleep-token"}
+        async with session.post(server.base_url + "/sleep", params={"level": "1"}, headers=sleep) as r:
+            assert r.status == 400 and await r.json() == {"error": {
+                "message": "this runtime supports sleep level 2 only", "code": "unsupported_sleep_level",
+                "type": "invalid_request_error"}}
+        async with session.get(server.base_url + "/is_sleeping", params={"verbose": "1"}, headers=sleep) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_lifecycle_query"
     finally:
         server.stop()
 

@@ -227,6 +227,42 @@ def test_the_real_vllm_resolves_each_task_to_its_runner(tmp_path):
                                                                ["pooling", "classify"]]
 
 
+def test_the_fake_knows_every_flag_the_adapter_emits_and_refuses_others_as_vllm_does(tmp_path):
+    """tests/fakes/fake_vllm.py parses as vLLM 0.32.0 does (vllm/utils/argparse_utils.py): every launch
+    line the adapter builds is accepted, and a misspelled flag exits 2 with argparse's message."""
+    import sys
+
+    from tests.fakes import FAKE_VLLM
+    from tests.fakes.fake_vllm import parse
+
+    model = tmp_path / "model"
+    model.mkdir()
+    # A Qwen3 checkpoint whose template has tool calls and thinking: the parser flags are emitted too.
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "<tool_call>{{x}}</tool_call><think>"}))
+    adapter, m = adapter_for("vllm"), str(model)
+    member = adapter.build_launch(ctx(spec(hosts=["a", "b"], nodes=2, tensor_parallel=4), model=m,
+                                      gpu_indices=[0, 1], nnodes=2)).argv
+    lines = [adapter.build_launch(ctx(spec(engine_args=["--max-model-len", "512"]), model=m,
+                                      socket_path=str(tmp_path / "e.sock"))).argv,
+             adapter.build_launch(ctx(spec(tensor_parallel=2, resources={"gpus": 2}), model=m, gpu_indices=[0, 1],
+                                      gpu_memory_fraction=0.368)).argv,
+             *(adapter.build_launch(ctx(spec(task=task), model=m)).argv for task in ("embed", "rerank")),
+             [*member, *multinode_flags("vllm", nnodes=2, rank=0, head_address="10.0.0.1", dist_port=29500)],
+             [*member, *multinode_flags("vllm", nnodes=2, rank=1, head_address="10.0.0.1", dist_port=29500)]]
+    assert "--tool-call-parser" in lines[0] and "--enable-sleep-mode" in lines[1] and "--headless" in lines[-1]
+    for argv in lines:
+        args, serve_shape = parse(argv[1:] if argv[1] == "serve" else argv[3:])
+        assert args.model == m and serve_shape == (argv[1] == "serve")
+    assert parse(["--model", m, "--max_model_len", "64"])[0].max_model_len == "64"  # underscores as dashes
+
+    done = subprocess.run([sys.executable, str(FAKE_VLLM), "--model", m, "--gpu-memory-utilisation", "0.5"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("usage: api_server.py")
+    assert "api_server.py: error: unrecognized arguments: --gpu-memory-utilisation 0.5" in done.stderr
+
+
 # -- the fake, served on its unix socket -----------------------------------------------------------
 
 

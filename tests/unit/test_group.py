@@ -1,8 +1,9 @@
 """Multi-node group logic, run against real fake-member processes on loopback.
 
-The driver here starts tests/fakes/fake_multinode.py as local processes; in CapyCTL the
-driver starts systemd units on the member hosts. Ordering, health and failure rules are the
-group's, so they are what these tests pin down.
+The driver here starts tests/fakes/fake_sglang.py members (SGLang 0.5.23's multi-node launch,
+with tests/fakes/fake_multinode.py's rendezvous for torch.distributed) as local processes; in
+CapyCTL the driver starts systemd units on the member hosts. Ordering, health and failure rules
+are the group's, so they are what these tests pin down.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ FAILED, PARKED, READY, STOPPED = (DeploymentState.FAILED, DeploymentState.PARKED
                                   DeploymentState.STOPPED)
 from capyctl.errors import CapyError
 
-FAKE = Path(__file__).resolve().parents[1] / "fakes" / "fake_multinode.py"
+FAKE = Path(__file__).resolve().parents[1] / "fakes" / "fake_sglang.py"
+# What the SGLang adapter passes besides the multi-node flags: --tp-size is the total across the
+# nodes, which SGLang asserts nnodes divides (arg_groups/validation_hook.py).
+MEMBER_ARGS = ["--model-path", "m", "--served-model-name", "big", "--tp-size", "2"]
 
 
 def free_port() -> int:
@@ -38,7 +42,8 @@ class LocalDriver:
     def __init__(self, *, unreachable_head_for_rank: int | None = None) -> None:
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.stderr: dict[int, bytes] = {}
-        self.http_port = free_port()
+        self.http_port = free_port()  # the head's; each worker serves its dummy /health on its own
+        self.worker_ports: dict[int, int] = {}
         self.events: list[str] = []
         self.unreachable_head_for_rank = unreachable_head_for_rank
 
@@ -48,8 +53,9 @@ class LocalDriver:
             flags[flags.index("--dist-init-addr") + 1] = f"127.0.0.1:{free_port()}"  # nobody listens there
         if not launch.is_head:
             self.events.append(f"head health before rank {launch.rank}: {await self.head_status()}")
+        port = self.http_port if launch.is_head else self.worker_ports.setdefault(launch.rank, free_port())
         self.procs[launch.rank] = await asyncio.create_subprocess_exec(
-            sys.executable, str(FAKE), *flags, "--port", str(self.http_port), "--join-timeout", "2",
+            sys.executable, str(FAKE), *MEMBER_ARGS, *flags, "--port", str(port), "--join-timeout", "2",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
         self.events.append(f"start {launch.rank}")
 
@@ -69,10 +75,11 @@ class LocalDriver:
         self.events.append("head accepting")
         return True
 
-    async def head_status(self) -> int | None:
+    async def head_status(self, port: int | None = None) -> int | None:
+        """The status of GET /health on the head (or ``port``); None when nothing answers."""
         try:
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as s:
-                async with s.get(f"http://127.0.0.1:{self.http_port}/health") as r:
+                async with s.get(f"http://127.0.0.1:{port or self.http_port}/health") as r:
                     return r.status
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
@@ -91,7 +98,8 @@ class LocalDriver:
     async def _post(self, path: str) -> None:
         async with aiohttp.ClientSession() as s:
             async with s.post(f"http://127.0.0.1:{self.http_port}{path}", json={"tags": ["weights", "kv_cache"]}) as r:
-                if r.status != 200:
+                # SGLang answers the release and the resume 200 with a null body (entrypoints/http_server.py).
+                if r.status != 200 or await r.text() != "null":
                     raise CapyError(f"{path} answered {r.status}", code="engine_error")
 
     async def park(self, launch: MemberLaunch) -> None:
@@ -131,9 +139,11 @@ async def test_starts_head_first_and_is_ready_only_when_every_rank_joined(driver
     group = make_group(driver)
     await group.start()
     assert group.state == READY
-    # The head listened before the worker started, and was not healthy with one rank of two.
-    assert driver.events[:4] == ["start 0", "head accepting", "head health before rank 1: 503", "start 1"]
+    # The head's rendezvous port listened before the worker started; its HTTP port did not, as
+    # SGLang's head serves only once every rank joined (entrypoints/engine.py _launch_subprocesses).
+    assert driver.events[:4] == ["start 0", "head accepting", "head health before rank 1: None", "start 1"]
     assert await driver.head_status() == 200
+    assert await driver.head_status(driver.worker_ports[1]) == 200  # the worker's dummy health server
     assert driver.running() == {0: True, 1: True}
     await group.stop()
     assert group.state == STOPPED
@@ -197,8 +207,8 @@ async def test_worker_that_cannot_reach_the_head_fails_the_start() -> None:
 
 async def test_fake_worker_alone_exits_with_an_error() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(FAKE), "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
-        f"127.0.0.1:{free_port()}", "--join-timeout", "0.5", stderr=asyncio.subprocess.PIPE)
+        sys.executable, str(FAKE), *MEMBER_ARGS, "--port", str(free_port()), "--nnodes", "2", "--node-rank", "1",
+        "--dist-init-addr", f"127.0.0.1:{free_port()}", "--join-timeout", "0.5", stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 1
     assert b"cannot reach the head" in err
@@ -228,8 +238,12 @@ async def test_park_in_place_goes_through_the_head(driver: LocalDriver) -> None:
     assert group.state == PARKED and driver.events[-1] == "park head"
     assert driver.running() == {0: True, 1: True}
     async with aiohttp.ClientSession() as s:
+        # SGLang's /health says nothing of the release: 200, empty (http_server.py health_generate;
+        # launched without --enable-memory-saver, the release paused nothing and generation runs).
         async with s.get(f"http://127.0.0.1:{driver.http_port}/health") as r:
-            assert (await r.json())["released"] is True
+            assert r.status == 200 and await r.text() == ""
+        async with s.get(f"http://127.0.0.1:{driver.http_port}/fake/stats") as r:  # the fake's own record
+            assert (await r.json())["released_tags"] == ["kv_cache", "weights"]
     with pytest.raises(CapyError) as err:
         await group.park()
     assert err.value.code == "conflict"
