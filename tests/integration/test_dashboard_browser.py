@@ -4,8 +4,9 @@ A real llama-server deployment runs in the sandbox; ``capyctl ui`` forwards a lo
 this machine to the sandboxed daemon's management socket (the socket lives under
 /var/lib/capyctl-tests, which both sides see), exactly as an operator would open it. The browser
 shows the deployment, Park is pressed, and both the unit (systemd in the sandbox, through the
-API) and the page must change. Screenshots are written to $CAPYCTL_TEST_ARTIFACTS (else the
-test's tmp directory) and their paths printed.
+API) and the page must change. Once a wake has restored the prompt cache, the page must fit every
+width from a phone's to a laptop's without sideways scrolling. Screenshots are written to
+$CAPYCTL_TEST_ARTIFACTS (else the test's tmp directory) and their paths printed.
 """
 
 from __future__ import annotations
