@@ -179,19 +179,22 @@ function renderDeployments() {
     });
     const logs = el("button", { type: "button", dataset: { action: "logs", deployment: d.name } }, "Logs");
     logs.addEventListener("click", () => followJournal(d.name));
-    const stateCell = el("td", { class: "state", dataset: { state: d.state } }, d.state);
+    // Each cell names its column (data-label): on a narrow screen the rows stack, without the head.
+    const cell = (cls, label, ...content) => el("td", { class: cls, dataset: { label } }, ...content);
+    const stateCell = cell("state", "State", d.state);
+    stateCell.dataset.state = d.state;
     if (d.reason) stateCell.title = d.reason;
     body.append(el("tr", { dataset: { deployment: d.name } },
-      el("td", { class: "name" }, d.name), stateCell,
-      el("td", { class: "revision" }, d.revision),
-      el("td", { class: "engine" }, d.engine),
-      el("td", { class: "host" }, (d.hosts || []).join(", ") || "local"),
-      el("td", { class: "unit" }, d.unit),
-      el("td", { class: "rate" }, fmtRate(rates)),
-      el("td", { class: "latency" }, fmtLatency(rates)),
-      el("td", { class: "wake" }, fmtWake(d)),
-      el("td", { class: "in-flight" }, `${d.in_flight}${d.waiting ? ` (+${d.waiting} waiting)` : ""}`),
-      el("td", { class: "actions" }, ...buttons, " ", logs)));
+      cell("name", "Name", d.name), stateCell,
+      cell("revision", "Revision", d.revision),
+      cell("engine", "Engine", d.engine),
+      cell("host", "Host", (d.hosts || []).join(", ") || "local"),
+      cell("unit", "Unit", d.unit),
+      cell("rate", "Requests/s", fmtRate(rates)),
+      cell("latency", "Latency", fmtLatency(rates)),
+      cell("wake", "Last wake", fmtWake(d)),
+      cell("in-flight", "In flight", `${d.in_flight}${d.waiting ? ` (+${d.waiting} waiting)` : ""}`),
+      cell("actions", "", el("div", { class: "buttons" }, ...buttons, logs))));
   }
 }
 
