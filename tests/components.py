@@ -8,8 +8,10 @@ missing one there is a broken setup, never a reason to pass quietly.
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -23,6 +25,18 @@ def missing(reason: str) -> NoReturn:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason} (CI=true: a missing component fails the run)", pytrace=False)
     pytest.skip(reason)
+
+
+def require_module(name: str, how_to_get: str) -> ModuleType:
+    """The Python module ``name``; else skip (fail under CI) saying ``how_to_get`` it. For a test
+    that needs an optional package: a module-level ``pytest.importorskip`` would skip every test of
+    the file, those that do not need it too, and pass quietly under CI."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name != name.partition(".")[0]:
+            raise  # installed, but something it imports is not: a broken install, not a missing one
+        missing(f"the Python module {name} is not installed: {how_to_get}")
 
 
 def vllm_venv_path() -> Path:

@@ -11,9 +11,12 @@ import time
 
 import httpx2
 import pytest
-from mcp import Client
+from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.types import INTERNAL_ERROR
+
+from tests.unit.test_mcp import leaf_errors
 
 from .capyhost import CAPYCTL, free_port
 
@@ -62,8 +65,12 @@ def test_mcp_operates_a_real_deployment(capyhost, smollm2, tmp_path):
                             headers={"Accept": "application/json, text/event-stream",
                                      **({"Authorization": f"Bearer {bearer}"} if bearer else {})})
             assert r.status_code == 401 and r.json()["error"]["code"] == "operator_key_required"
-            with pytest.raises(Exception):
+            # The SDK's stand-in for that 401, in anyio's groups (tests/unit/test_mcp.py says where).
+            with pytest.raises(ExceptionGroup) as refused:
                 asyncio.run(_list_tools(url, bearer))
+            [error] = leaf_errors(refused.value)
+            assert type(error) is MCPError
+            assert (error.code, error.message) == (INTERNAL_ERROR, "Server returned an error response")
     finally:
         proc.terminate()  # our own child, by its handle
         proc.wait(timeout=20)

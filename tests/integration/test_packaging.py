@@ -57,14 +57,28 @@ def _leftovers() -> list[str]:
     return [p for p in WHAT_PACKAGES_INSTALL if os.path.lexists(p)]
 
 
-def _require_clean_machine() -> None:
+def _require_debian_tools() -> None:
     require_root("to boot systemd in private namespaces and to install packages")
     if shutil.which("dpkg-deb") is None or shutil.which("apt-get") is None:
         missing("needs Debian's dpkg-deb and apt-get")
-    installed = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "capyctl"], capture_output=True, text=True)
-    if "installed" in installed.stdout or _leftovers():
-        pytest.skip("CapyCTL is already installed on this machine (package or install.sh); this test "
-                    "installs and removes its own and would remove yours")
+
+
+def _require_clean_machine() -> None:
+    """No CapyCTL installed on this machine. The sandbox shares the host's /opt, /usr, /lib, /etc and
+    /var/lib (only /run and /tmp are its own), so a test that installs there would overwrite one
+    already installed and its purge would remove it: the test skips (fails under CI=true, whose
+    machine must be clean) saying what to remove."""
+    # "install ok installed", "deinstall ok config-files" ...; a purged package reads "unknown ok
+    # not-installed" or nothing (dpkg-query exits 1): its last word is the state.
+    status = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "capyctl"], capture_output=True,
+                            text=True).stdout.split()
+    package = bool(status) and status[-1] != "not-installed"
+    found = _leftovers() + [p for p in ("/var/lib/capyctl",) if os.path.lexists(p)]
+    if package or found:
+        how = "apt-get remove --purge capyctl" if package else "install.sh --uninstall --purge"
+        missing(f"CapyCTL is already installed on this machine ({'package' if package else 'files'}: "
+                f"{', '.join(found) or 'capyctl'}); this test installs and purges its own and would remove "
+                f"yours: remove it first ({how})")
 
 
 class Sandbox:
@@ -109,6 +123,12 @@ class Sandbox:
 
 
 @pytest.fixture
+def clean_machine() -> None:
+    """For a test that installs CapyCTL on this machine: asked before its sandbox boots."""
+    _require_clean_machine()
+
+
+@pytest.fixture
 def sandbox():
     box = Sandbox()
     try:
@@ -128,7 +148,7 @@ def scratch():
 
 @pytest.fixture(scope="module")
 def deb(scratch: Path) -> Path:
-    _require_clean_machine()
+    _require_debian_tools()  # building and reading the .deb installs nothing here
     out = _run([str(REPO / "packaging" / "deb" / "build.sh"), "--out", str(scratch / "deb"),
                 "--wheelhouse", str(WHEELHOUSE)])
     path = Path(out.stdout.strip().splitlines()[-1])
@@ -171,7 +191,7 @@ printf '%s\n' "${COMPREPLY[@]}"
     return [w.strip() for w in out.stdout.splitlines() if w.strip()]
 
 
-def test_deb_installs_serves_completes_and_purges(deb: Path, sandbox: Sandbox) -> None:
+def test_deb_installs_serves_completes_and_purges(clean_machine: None, deb: Path, sandbox: Sandbox) -> None:
     installed = False
     try:
         # No network: python3, systemd and adduser, the package's dependencies, are installed.
@@ -234,7 +254,7 @@ def test_deb_installs_serves_completes_and_purges(deb: Path, sandbox: Sandbox) -
             subprocess.run(["dpkg", "--purge", "capyctl"], capture_output=True, text=True)
 
 
-def test_install_sh_installs_again_and_uninstalls(deb: Path, sandbox: Sandbox) -> None:
+def test_install_sh_installs_again_and_uninstalls(clean_machine: None, deb: Path, sandbox: Sandbox) -> None:
     # `deb` built the wheelhouse: install.sh installs offline from it, as documented.
     installer = [str(REPO / "install.sh"), "--wheelhouse", str(WHEELHOUSE)]
     try:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import uuid
 from pathlib import Path
 
 import pytest
 
 from capyctl.systemd import SystemdClient
-from tests.sandbox.sandbox import Sandbox
+from tests.sandbox.sandbox import Sandbox, SandboxError
 
 pytestmark = pytest.mark.sandbox
 
@@ -65,7 +66,7 @@ def test_two_sandboxes_at_once_are_independent(sandbox_factory) -> None:
 
 def test_same_name_twice_is_refused(sandbox_factory) -> None:
     sb = sandbox_factory()
-    with pytest.raises(Exception, match="already running"):
+    with pytest.raises(SandboxError, match=re.escape(f"sandbox '{sb.name}' is already running")):
         Sandbox(sb.name).start()
     assert sb.run(["systemctl", "is-system-running"]).stdout.strip() in ("running", "degraded")
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from capyctl.config import ENGINE_CPU_WEIGHT, DaemonConfig
 from capyctl.controller import UsageView
@@ -110,9 +111,9 @@ def test_vllm_cpu_binds_its_openmp_threads_to_its_cores_as_its_auto_binding_woul
 
 
 def test_resources_cpus_are_whole_cores():
-    with pytest.raises(Exception) as err:
+    with pytest.raises(ValidationError) as err:
         spec("llama", cpus=1.5)
-    assert "cpus" in str(err.value)
+    assert [(e["loc"], e["type"]) for e in err.value.errors()] == [(("resources", "cpus"), "int_from_float")]
     assert spec("llama", cpus=2).resources.cpus == 2
 
 

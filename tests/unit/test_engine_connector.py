@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
+
 import aiohttp
+import aiohttp.connector
 import pytest
 from aiohttp import web
 
@@ -74,11 +77,48 @@ def test_runtime_directory_must_stay_below_run():
                           runtime_directory=bad).properties()
 
 
-async def test_idle_engine_connections_are_dropped_before_the_engine_drops_them():
-    # llama-server closes an idle keep-alive connection after 5 s; reusing one it just closed
-    # failed a request with ServerDisconnectedError (seen in CI with the anthropic client).
-    from capyctl.proxy.connector import ENGINE_KEEPALIVE_S
-    assert ENGINE_KEEPALIVE_S < 5
+# llama-server closes a keep-alive connection idle this long: cpp-httplib's default, which its
+# server does not change (llama.cpp vendor/cpp-httplib/httplib.h: CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND 5;
+# tools/server sets no keep-alive timeout of its own).
+LLAMA_SERVER_KEEPALIVE_S = 5.0
+
+
+async def test_idle_engine_connections_are_dropped_before_the_engine_drops_them(tmp_path, monkeypatch):
+    # Reusing a connection llama-server had just closed failed a request with
+    # ServerDisconnectedError (seen in CI with the anthropic client). aiohttp reuses a pooled
+    # connection only while it has been idle no longer than the connector's keepalive_timeout, by
+    # its module's monotonic() (aiohttp/connector.py, BaseConnector._get): that clock is moved
+    # here, so no test waits seconds. This server keeps every connection (aiohttp/web_protocol.py:
+    # an hour).
+    path = str(tmp_path / "e.sock")
+    connections: list[object] = []  # the transport each request came on (held: ids stay unique)
+    app = web.Application()
+
+    async def health(request: web.Request) -> web.Response:
+        connections.append(request.transport)
+        return web.json_response({})
+
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.UnixSite(runner, path).start()
+    idle = 0.0
+    monkeypatch.setattr(aiohttp.connector, "monotonic", lambda: time.monotonic() + idle)
     connector = EngineConnector()
-    assert connector._keepalive_timeout == ENGINE_KEEPALIVE_S
-    await connector.close()
+    connector.route(socket_base_url("smol", "eeee"), path)
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async def request_after(seconds: float) -> None:
+                nonlocal idle
+                idle += seconds
+                async with session.get(socket_base_url("smol", "eeee") + "/health") as resp:
+                    assert await resp.json() == {}  # read to its end: the connection goes back to the pool
+
+            await request_after(0)
+            await request_after(1.0)  # keep-alive still saves a connect
+            assert len({id(t) for t in connections}) == 1
+            # Idle nearly as long as llama-server keeps it: it may be closing it now, so a new one.
+            await request_after(LLAMA_SERVER_KEEPALIVE_S - 0.5)
+            assert len({id(t) for t in connections}) == 2 and connections[2] is not connections[1]
+    finally:
+        await runner.cleanup()

@@ -10,7 +10,8 @@ import pytest
 
 from capyctl.engines import LaunchContext, adapter_for
 from capyctl.engines._parsers import FAMILIES, PARSER_ENGINES, choose_parsers
-from capyctl.spec import EngineSpec, parse_manifest
+from capyctl.spec import EngineSpec, ManifestError, parse_manifest
+from capyctl.spec.models import PARSER_PATTERN
 from tests.components import BUILD_CACHE, missing
 
 QWEN25_TEMPLATE = "{% for m in messages %}...{% endfor %}<tool_call>\n{\"name\": ...}\n</tool_call>"
@@ -69,8 +70,11 @@ def test_the_manifest_field_and_engine_args_override(tmp_path):
     assert line.count("--tool-call-parser") == 1 and line.count("--enable-auto-tool-choice") == 1
     assert choose_parsers("vllm", spec("engine_args: ['--reasoning-parser=qwen3']\n"), qwen).reasoning_source \
         == "engine_args"
-    with pytest.raises(Exception):
+    with pytest.raises(ManifestError) as refused:  # a space: not a parser name (PARSER_PATTERN)
         spec("tool_call_parser: 'bad name'\n")
+    assert refused.value.code == "invalid_manifest"
+    assert [(p.field, p.line) for p in refused.value.problems] == [("tool_call_parser", 4)]
+    assert refused.value.problems[0].message == f"String should match pattern '{PARSER_PATTERN}'"
 
 
 def test_llama_cpp_keeps_jinja_and_chooses_no_parser():

@@ -22,9 +22,10 @@ import httpx2
 import pytest
 import uvicorn
 from aiohttp import web
-from mcp import Client
+from mcp import Client, MCPError
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.types import INTERNAL_ERROR
 
 from capyctl.api import Credentials, build_api
 from capyctl.config import DaemonConfig, Paths
@@ -33,6 +34,14 @@ from capyctl.mcp import ManagementApi, OperatorKey, build_app
 from capyctl.store import Store
 
 TOOLS = {"list", "usage", "status", "deploy", "park", "wake", "stop", "delete", "drain", "logs"}
+
+
+def leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
+    """The errors in ``group`` and the groups inside it. The SDK's client raises what failed from
+    inside anyio task groups (its session's and its transport's: mcp/client/session.py
+    ``__aexit__``), and anyio wraps it in a group each (anyio/_backends/_asyncio.py TaskGroup)."""
+    return [leaf for e in group.exceptions
+            for leaf in (leaf_errors(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
 class NoUnits:
@@ -242,9 +251,15 @@ async def test_mcp_refuses_anything_but_the_operator_key(stack, who):
         r = await http.post(stack.url, json=body, headers=headers | {"Accept": "application/json, text/event-stream"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "operator_key_required"
     assert r.headers["www-authenticate"].startswith("Bearer")
-    with pytest.raises(Exception):
+    # The SDK's client gets no further than its handshake: a non-2xx answer whose body is not a
+    # JSON-RPC error becomes this stand-in error (mcp 2.3 mcp/client/streamable_http.py,
+    # _handle_post_request), raised by the client's connect (mcp/client/_probe.py, negotiate_auto).
+    with pytest.raises(ExceptionGroup) as refused:
         async with stack.client(bearer) as client:
             await client.list_tools()
+    [error] = leaf_errors(refused.value)
+    assert type(error) is MCPError
+    assert (error.code, error.message) == (INTERNAL_ERROR, "Server returned an error response")
 
 
 async def test_mcp_checks_origin_and_caps_bodies(stack):

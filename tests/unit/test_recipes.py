@@ -227,12 +227,22 @@ NO_GPU = {"ram_bytes": 24 << 30, "gpus": [], "gpu_unknown": "NVML is not availab
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
-def test_a_shipped_gpu_recipe_says_it_needs_a_gpu_on_a_machine_without_one(path: Path) -> None:
-    needs = load_recipe(path).hardware
+def test_a_shipped_recipe_on_a_machine_without_a_gpu_runs_only_if_it_needs_none(path: Path) -> None:
+    recipe = load_recipe(path)
+    needs, resources = recipe.hardware, recipe.deployment_spec("/model").resources
     why = hardware_shortfall(needs, NO_GPU)
+    assert resources.gpus == needs.gpus  # the machine it asks for has the GPUs its deployment plans
+    assert needs.ram and resources.ram and resources.ram < needs.ram  # and room beside the engine's
     if needs.gpus:
         assert why is not None and why.startswith(f"it needs {needs.gpus} GPU(s)"), why
         assert "NVML is not available" in why
+    else:
+        # A CPU recipe runs on NO_GPU's machine, CI's kind (24 GiB, no GPU: `measured_on`), and
+        # says so where the RAM it needs is not there.
+        assert why is None, why
+        short = {**NO_GPU, "ram_bytes": needs.ram - (1 << 20)}
+        assert hardware_shortfall(needs, short) == \
+            f"it needs {needs.ram >> 20} MiB of RAM and this machine has {(needs.ram >> 20) - 1} MiB"
 
 
 MEASURED = [p for p in SHIPPED if load_recipe(p).status == "measured"]

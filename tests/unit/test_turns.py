@@ -21,6 +21,8 @@ import pytest
 from capyctl.config import DaemonConfig
 from capyctl.controller._actor import DeploymentActor
 from capyctl.controller._proof import WakeProof
+from capyctl.controller._turns import RoomWaitTimeout, WakeCancelled
+from capyctl.errors import Unavailable
 from capyctl.spec import parse_manifest
 from tests.controllers import vllm_controller
 
@@ -195,7 +197,7 @@ async def test_past_the_bound_the_wait_ends_with_a_clear_503_and_the_deployment_
     b = await _deploy(ctl, model, "b")
     async with _one_request_in_flight(ctl, a):
         began = time.monotonic()
-        with pytest.raises(Exception) as caught:
+        with pytest.raises(RoomWaitTimeout) as caught:
             async with ctl.acquire("b"):
                 pass
         waited = time.monotonic() - began
@@ -215,7 +217,7 @@ async def test_room_that_waiting_never_brings_still_fails_at_once(one_card):
     big = await ctl.deploy(parse_manifest(
         f"name: big\nengine: vllm\nmodel: {{path: {model}}}\nresources: {{gpus: 1, gpu_memory: 90GiB, ram: 2GiB}}\n"))
     began = time.monotonic()
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(Unavailable) as caught:
         async with ctl.acquire("big"):
             pass
     assert caught.value.code == "wake_failed" and caught.value.detail["cause"] == "no_room"
@@ -275,7 +277,7 @@ async def test_a_wait_for_room_gives_way_to_a_stop_but_not_to_another_wake(one_c
         await asyncio.sleep(0.3)
         assert not waiting.done() and ctl.turns.in_line("b")
         stop = b.submit("stop")
-        with pytest.raises(Exception) as caught:
+        with pytest.raises(WakeCancelled) as caught:
             await asyncio.wait_for(waiting, HANG_GUARD)
         assert caught.value.code == "wake_cancelled"
         await asyncio.wait_for(stop, HANG_GUARD)
