@@ -197,7 +197,9 @@ class SshHost:
         if rc != 0:
             return False
         match = re.search(rb"pid=(\d+)", err)
-        if match:
+        # (Several first looks at once each ran -O check: the first to return keeps its pidfd; the
+        # others would have replaced it and left theirs open.)
+        if match and self._master_pidfd is None:
             with contextlib.suppress(OSError):  # no pidfd (an old kernel): -O check at each look
                 self._master_pidfd = os.pidfd_open(int(match.group(1)))
         return True

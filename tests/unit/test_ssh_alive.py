@@ -71,6 +71,25 @@ async def test_alive_asks_ssh_once_then_watches_the_master_until_it_exits(master
     assert not await host.alive()
 
 
+async def test_first_looks_at_once_leave_one_pidfd_open(master: Master) -> None:
+    def pidfds() -> int:
+        return sum(1 for fd in Path("/proc/self/fd").iterdir()
+                   if Path("/proc/self/fd", fd.name).is_symlink() and "pidfd" in _link(fd))
+
+    before = pidfds()
+    assert await asyncio.gather(*(master.host.alive() for _ in range(3))) == [True] * 3
+    assert master.runs.read_text().count("run") == 3  # three first looks, each its own -O check
+    assert pidfds() == before + 1  # one watch kept, none leaked
+    await master.host.close()
+    assert pidfds() == before
+
+
+def _link(fd: Path) -> str:
+    with contextlib.suppress(OSError):
+        return str(fd.readlink())
+    return ""
+
+
 async def test_without_a_pid_in_its_answer_each_look_asks_ssh(tmp_path: Path) -> None:
     ssh = tmp_path / "ssh"
     runs = tmp_path / "runs"
