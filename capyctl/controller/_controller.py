@@ -363,8 +363,8 @@ class Controller:
                 closed = self.turns.yield_to(actor.name, [y.requests for y in yielders], actor.requests)
                 if closed:
                     log.info("deployment %s: waited %.1fs for room; %s finish what they have, then yield",
-                             actor.name, time.monotonic() - since, ", ".join(closed))
-            waited = time.monotonic() - since
+                             actor.name, self.turns.clock() - since, ", ".join(closed))
+            waited = self.turns.clock() - since
             if waited >= self.turns.wait_max:
                 raise RoomWaitTimeout(
                     f"deployment {actor.name!r} waited {waited:.0f}s for room held by busy deployments "
@@ -718,7 +718,7 @@ class Controller:
         info = actor.describe()
         since = self.turns.waiting().get(name)
         info["waiting_for_room"] = None if since is None else {
-            "seconds": round(time.monotonic() - since, 3), "ahead": self.turns.ahead_of(name)}
+            "seconds": round(self.turns.clock() - since, 3), "ahead": self.turns.ahead_of(name)}
         info["memory_current"] = info["memory_peak"] = None
         if actor.state in RUNNING or actor.parked_in_place:
             try:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from ..config import DaemonConfig
 from ..errors import Unavailable
@@ -95,15 +95,18 @@ async def wait_for_beat(beat: asyncio.Future, timeout: float) -> None:
 
 @dataclass
 class _Waiting:
-    since: float  # time.monotonic() when it joined the line
+    since: float  # Turns.clock() when it joined the line
     closed: set[str] = field(default_factory=set)  # doors closed for it
 
 
 class Turns:
     """The line of deployments waiting for room, the doors closed for them, and the tickets."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
+        # What a wait in line is measured with (the quantum, swap.wait_max): time.monotonic, or a
+        # test's clock that moves only when told (tests/unit/test_turns.py).
+        self.clock = clock
         self._line: dict[str, _Waiting] = {}  # oldest first (dicts keep insertion order)
         self._pulse = Pulse()
         self._tickets = 0
@@ -133,7 +136,7 @@ class Turns:
 
     def join(self, name: str) -> float:
         """Put ``name`` in line (once); when it joined."""
-        return self._line.setdefault(name, _Waiting(time.monotonic())).since
+        return self._line.setdefault(name, _Waiting(self.clock())).since
 
     def in_line(self, name: str) -> bool:
         return name in self._line
@@ -153,7 +156,7 @@ class Turns:
         return bool(self._line)
 
     def waiting(self) -> dict[str, float]:
-        """Who waits for room, and since when (time.monotonic()), oldest first."""
+        """Who waits for room, and since when (Turns.clock()), oldest first."""
         return {name: w.since for name, w in self._line.items()}
 
     def leave(self, name: str, doors: dict[str, Door]) -> None:
@@ -171,7 +174,7 @@ class Turns:
         """Close the doors of ``yielders`` for ``name`` once it has waited a quantum; the doors
         closed now (empty before the quantum, or when they already were)."""
         waiting = self._line.get(name)
-        if waiting is None or time.monotonic() - waiting.since < self.quantum:
+        if waiting is None or self.clock() - waiting.since < self.quantum:
             return []
         if self.arrival:
             oldest = waiter.oldest_ticket()

@@ -370,25 +370,33 @@ async def main():
     gated = TransientUnit(name="capyctl-gated.service", description="gated", argv=["/bin/sleep", "300"], gated=True)
     state = await client.start_transient(gated)
     seen["opened"] = await client.open_gate(gated.name)  # may settle: the shell stops itself after exec
-    await asyncio.sleep(0.2)
-    after = await client.unit_state(gated.name)
+    for _ in range(1000):  # until its command sleeps (a hang guard of 10 s, not a bound)
+        after = await client.unit_state(gated.name)
+        if proc(after.main_pid) == ("S", "/bin/sleep"):
+            break
+        await asyncio.sleep(0.01)
     seen["after"] = [after.main_pid == state.main_pid, *proc(after.main_pid)]
     seen["again"] = await client.open_gate(gated.name)  # its command runs now: no gate to open
     plain = TransientUnit(name="capyctl-plain.service", description="plain", argv=["/bin/sleep", "300"])
     await client.start_transient(plain)
     seen["plain"] = await client.open_gate(plain.name)
+    # A stop timeout of an hour: a stop that waited for it would not end within the hang guard.
     waiting = TransientUnit(name="capyctl-waiting.service", description="waiting", argv=["/bin/sleep", "300"],
-                            gated=True, stop_timeout=30)
+                            gated=True, stop_timeout=3600)
     state = await client.start_transient(waiting)
-    for _ in range(100):
+    for _ in range(1000):  # a hang guard of 10 s, not a bound
         if proc(state.main_pid)[0] == "T":
             break
         await asyncio.sleep(0.01)
     seen["waiting"] = list(proc(state.main_pid))
     began = time.monotonic()
-    final = await client.stop_unit(waiting.name, timeout=30)
-    seen["stop_s"] = time.monotonic() - began
-    seen["stopped"] = final.active_state if final else "gone"
+    try:
+        final = await asyncio.wait_for(client.stop_unit(waiting.name, timeout=3600), 60)
+    except asyncio.TimeoutError:
+        seen["stopped"] = "still stopping after the 60 s hang guard"
+    else:
+        seen["stopped"] = final.active_state if final else "gone"
+    seen["stop_s"] = time.monotonic() - began  # (printed: the assert is on how it ended)
     for unit in (gated, plain):
         await client.stop_unit(unit.name, timeout=10)
     print(json.dumps(seen))
@@ -408,7 +416,7 @@ async def test_a_gated_unit_waits_stopped_until_its_gate_is_opened(sandbox: Sand
     assert seen["after"] == [True, "S", "/bin/sleep"]
     assert seen["again"] is False and seen["plain"] is False
     assert seen["waiting"] == ["T", "/bin/sh"]
-    assert seen["stop_s"] < 5 and seen["stopped"] in ("inactive", "gone")
+    assert seen["stopped"] in ("inactive", "gone"), seen
 
 
 async def test_open_gate_refuses_where_the_units_pids_are_not_ours(sandbox: Sandbox) -> None:

@@ -212,6 +212,10 @@ def test_past_the_bound_a_clear_503_with_retry_after_and_no_failed_deployment(tw
     assert body["code"] == "room_wait_timeout", body
     assert "swap.wait_max" in body["message"]
     assert float(refused.value.response.headers["Retry-After"]) >= 1
-    assert 3 <= waited < 10, waited
+    # It ended at swap.wait_max, in the line's own wait (the message above is that one's, not the
+    # request's wait bound of wait_max + timeouts.wake), after waiting the bound: a lower bound, which
+    # a slow machine cannot break. That it ends at the bound and not later is checked on a clock
+    # the test moves (tests/unit/test_turns.py); here the client's timeout is the hang guard.
+    assert waited >= 3, waited
     assert _states(host)["mb"][0] == "stopped"  # not failed: the room was only busy
     assert _ask(c, "mb")  # and once ma is idle, mb is served

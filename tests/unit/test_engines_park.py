@@ -66,6 +66,16 @@ async def stats(session, base_url):
         return await r.json()
 
 
+async def until_stats(session, base_url, condition, timeout: float = 10.0):
+    """The fake's stats once ``condition`` holds for them (a hang guard, not a time bound)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition(s := await stats(session, base_url)):
+        assert loop.time() < deadline, f"the fake's stats never got there: {s}"
+        await asyncio.sleep(0.01)
+    return s
+
+
 async def wait_health(adapter, session, server):
     for _ in range(300):
         assert server.proc.poll() is None, "the fake engine exited"
@@ -91,8 +101,8 @@ async def test_vllm_level1_park_and_wake(tmp_path, session):
         # A request that reaches a sleeping vLLM is queued by its paused scheduler, not refused:
         # it is answered once the engine wakes (vllm/v1/engine/core.py).
         queued = asyncio.create_task(chat(session, server.base_url))
-        await asyncio.sleep(0.5)
-        assert not queued.done() and (await stats(session, server.base_url))["queued_while_asleep"] == 1
+        await until_stats(session, server.base_url, lambda s: s["queued_while_asleep"] == 1)
+        assert not queued.done()
 
         await adapter.wake(session, server.base_url, KEY, 1)
         status, body = await asyncio.wait_for(queued, 10)

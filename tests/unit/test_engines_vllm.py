@@ -305,6 +305,19 @@ class Served:
         async with self.session.post(self.base_url + path, headers=headers, **kw) as r:
             return r.status, (await r.json() if r.content_type == "application/json" else await r.text())
 
+    async def stats(self) -> dict:
+        async with self.session.get(self.base_url + "/fake/stats") as r:
+            return await r.json()
+
+    async def until_stats(self, condition, timeout: float = 10.0) -> dict:
+        """The fake's stats once ``condition`` holds for them (a hang guard, not a time bound)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not condition(stats := await self.stats()):
+            assert loop.time() < deadline, f"the fake's stats never got there: {stats}"
+            await asyncio.sleep(0.01)
+        return stats
+
     async def close(self) -> None:
         await self.session.close()
         if self.proc.poll() is None:
@@ -355,13 +368,12 @@ async def test_park_and_wake_over_the_socket_with_queued_requests(tmp_path):
         assert await adapter.is_parked(s, url, KEY) is True
         assert await adapter.health(s, url, KEY)
         waiting = asyncio.create_task(served.post("/v1/chat/completions", KEY, json=chat))
-        await asyncio.sleep(0.3)
+        await served.until_stats(lambda stats: stats["queued_while_asleep"] == 1)
         assert not waiting.done()  # queued while asleep, not refused
         await adapter.wake(s, url, KEY, 2)
         status, body = await asyncio.wait_for(waiting, 10)
         assert status == 200 and "garbage" not in body["choices"][0]["message"]["content"]
-        async with s.get(url + "/fake/stats") as r:
-            stats = await r.json()
+        stats = await served.stats()
         assert stats["collective_rpc"] == ["reload_weights"] and stats["last_sleep_mode"] == "wait"
         assert stats["reset_prefix_cache"] == 1 and stats["queued_while_asleep"] == 1
     finally:
@@ -379,10 +391,10 @@ async def test_sleep_query_values_are_vllms(tmp_path):
         # keep: running requests freeze and finish after the wake.
         task = asyncio.create_task(served.post("/v1/chat/completions", KEY, json={
             "model": "chat", "messages": [{"role": "user", "content": "one two three four"}], "fake_token_delay": 0.1}))
-        await asyncio.sleep(0.15)
+        await served.until_stats(lambda stats: stats["in_flight"] == 1)  # running (not queued) when the sleep comes
         assert (await served.post("/sleep", params={"mode": "keep"}))[1] == {"status": "sleeping", "level": 1}
-        await asyncio.sleep(0.5)
-        assert not task.done()
+        await asyncio.sleep(0.5)  # (4 tokens 0.1 s apart: unfrozen, it would be done by now)
+        assert not task.done() and (await served.stats())["completed"] == 0
         # Waking one tag leaves the engine asleep and says so.
         assert (await served.post("/wake_up", params={"tags": "weights"}))[1] == {"status": "sleeping",
                                                                                  "tags": ["weights"]}

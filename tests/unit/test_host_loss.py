@@ -75,8 +75,11 @@ def test_the_manifest_field_is_off_by_default_and_refused_for_a_group() -> None:
 async def test_a_deployment_that_waits_answers_host_offline_and_stays(controller: Controller) -> None:
     actor = _serving_on_b(controller, "wait")
     await _lose_b(controller)
-    await asyncio.sleep(0.05)
-    assert not actor.has_pending_commands and actor.state == DeploymentState.READY and actor.host == "b"
+    assert not actor.has_pending_commands  # nothing queued for the loss
+    # The actor's queue runs in order: once a loss of a host it is not on (which changes nothing)
+    # is answered, whatever b's loss might have queued before it has run too.
+    assert await actor.submit("host_lost", host="c") == DeploymentState.READY
+    assert actor.state == DeploymentState.READY and actor.host == "b"
     error = controller.placement_error(actor)
     assert error is not None and error.code == "host_offline"
 
@@ -84,10 +87,11 @@ async def test_a_deployment_that_waits_answers_host_offline_and_stays(controller
 async def test_a_deployment_that_may_move_leaves_the_lost_host_and_wakes_elsewhere(
         controller: Controller, monkeypatch) -> None:
     woken: list[str] = []
-    hold = asyncio.Event()
+    asked, hold = asyncio.Event(), asyncio.Event()
 
     async def wake(self, progress=None, for_requests=False):
         woken.append(self.state)
+        asked.set()
         await hold.wait()  # the wake's own work is another test's: here, that it is asked for
         return self.state
 
@@ -98,10 +102,7 @@ async def test_a_deployment_that_may_move_leaves_the_lost_host_and_wakes_elsewhe
     # Queued, not yet run: a request that comes now waits for the move, not a dead connection.
     assert actor.has_pending_commands and controller.placement_error(actor) is None
     admitted = asyncio.ensure_future(actor.requests.admit())
-    for _ in range(100):
-        if woken:
-            break
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(asked.wait(), 10)  # a hang guard: the wake is asked for, however slowly
     assert woken == [DeploymentState.PARKED] and not admitted.done()
     assert actor.launch_id is None and not actor.parked_in_place and "'b' was lost" in actor.reason
     # Recorded with no launch: if b returns first, its reconcile stops the old unit, adopts nothing.

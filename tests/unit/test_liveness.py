@@ -135,8 +135,12 @@ async def test_a_probe_that_never_answers_is_cut_by_its_timeout() -> None:
         return True
 
     started = time.monotonic()
-    await asyncio.wait_for(Watchdog(hung, 1.0).watch(), HANG_GUARD)
-    assert 1.0 <= time.monotonic() - started <= detection_bound(1.0) + LAG_TOLERANCE_S
+    # Cut: a probe left to run would sleep an hour, past HANG_GUARD.
+    silent = await asyncio.wait_for(Watchdog(hung, 1.0).watch(), HANG_GUARD)
+    assert time.monotonic() - started >= 1.0
+    # Within the bound as the watchdog counts it (a round the loaded loop made late is not counted,
+    # so this holds however slow the machine is; the bound itself is checked on FakeClock above).
+    assert 1.0 <= silent <= detection_bound(1.0) + LAG_TOLERANCE_S, silent
 
 
 async def test_a_probe_that_raises_counts_as_silence() -> None:
@@ -212,12 +216,12 @@ async def test_a_ready_deployment_whose_engine_goes_silent_is_reported_once() ->
     assert actor.adapter.calls[0] == ("http://127.0.0.1:1234", "engine-key")  # its health route, its key
     assert actor.submitted == []
     actor.adapter.healthy = False
-    started = time.monotonic()
     await _until(lambda: actor.submitted, "the engine reported unresponsive")
-    assert time.monotonic() - started <= detection_bound(1.0) + LAG_TOLERANCE_S
     [(op, args)] = actor.submitted
     assert op is Command.ENGINE_UNRESPONSIVE
-    assert args["launch_id"] == "launch-1" and args["silent"] >= 1.0
+    # Silent for the manifest's 1s, and reported within its bound as the watchdog counts silence
+    # (late rounds of a loaded loop left out): a watchdog on another deadline would not be.
+    assert args["launch_id"] == "launch-1" and 1.0 <= args["silent"] <= detection_bound(1.0) + LAG_TOLERANCE_S
     liveness.stop()
 
 

@@ -398,6 +398,7 @@ class StuckExchange(Exchange):
         super().__init__(None, None, None, make_mocked_request("POST", "/v1/chat/completions"))  # type: ignore[arg-type]
         self.started = 0
         self.written: list[bytes] = []
+        self.wrote = asyncio.Event()  # set at each write (cleared by the test)
         self.unstick = asyncio.Event()
 
     async def start_stream(self, status: int, headers: dict[str, str]) -> None:
@@ -405,6 +406,7 @@ class StuckExchange(Exchange):
 
     async def write(self, data: bytes) -> None:
         self.written.append(data)
+        self.wrote.set()
         await self.unstick.wait()
 
 
@@ -415,12 +417,13 @@ async def test_a_client_that_does_not_read_holds_one_line_not_all_of_them(monkey
     try:
         for i in range(10_000):
             progress(f"waiting for m: {i} requests ahead")
-            if i == 0:
-                await asyncio.sleep(0.01)  # the first is being written: the client reads no more
-        await asyncio.sleep(0.2)
+            if i == 0:  # the first is being written: the client reads no more
+                await asyncio.wait_for(reply.wrote.wait(), HANG_GUARD)
+        await asyncio.sleep(0.2)  # four intervals in which nothing more may be written
         assert reply.started == 1 and reply.written == [b": waiting for m: 0 requests ahead\n\n"]
+        reply.wrote.clear()
         reply.unstick.set()  # the client reads again: the latest line follows, the others are gone
-        await asyncio.sleep(0.2)
+        await asyncio.wait_for(reply.wrote.wait(), HANG_GUARD)
         assert reply.written[1:] == [b": waiting for m: 9999 requests ahead\n\n"]
         assert await progress.stop()
     finally:
