@@ -160,12 +160,14 @@ def distinct_prompt(k: int) -> list[dict]:
     return [{"role": "user", "content": f"Ledger {k}. {text}\nHow many records are there?"}]
 
 
-def fill_the_prompt_cache(host: CapyHost, engine_args: str, prompts: int) -> tuple[str, str]:
+def fill_the_prompt_cache(host: CapyHost, engine_args: str, prompts: int,
+                          past_the_limit: int | None = None) -> tuple[str, str]:
     """Deploy under MemoryMax=320M (-c 2048), send ``prompts`` distinct long prompts one after
     another: with --cache-idle-slots (llama-server's default, which CapyCTL turns off: llamacpp.py)
     each new task moves the idle slots into its host-RAM prompt cache (server-context.cpp), so each
     prompt adds its KV state there until the cache's limit; without it the first prompts would
-    only fill empty slots. Returns the engine's MainPID before and after."""
+    only fill empty slots. With ``past_the_limit``, it stops that many prompts after the engine's
+    journal first says the cache reached its limit. Returns the engine's MainPID before and after."""
     manifest = host.write_manifest(
         "smollm2", f"name: smollm2\nengine: llama\nmodel: {{path: {host_model(host)}}}\n"
         f"resources: {{ram: 320MiB}}\nengine_args: [-c, '2048', --cache-idle-slots{engine_args}]\n")
@@ -173,12 +175,27 @@ def fill_the_prompt_cache(host: CapyHost, engine_args: str, prompts: int) -> tup
     client = openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=300)
     unit = "capyctl-smollm2.service"
     before = host.unit_property(unit, "MainPID")
+    left: int | None = None  # prompts still to send once the limit was reached
     for k in range(prompts):
         try:
             turn(client, distinct_prompt(k))
         except openai.APIError:
             break  # the engine was killed under the request
+        if past_the_limit is not None:
+            if left is None and cache_limit_reached(host, unit):
+                left = past_the_limit
+            elif left is not None:
+                left -= 1
+            if left == 0:
+                break
     return before, host.unit_property(unit, "MainPID")
+
+
+def cache_limit_reached(host: CapyHost, unit: str) -> bool:
+    """The engine's journal says its prompt cache reached its limit and gave up its oldest prompts
+    (server_prompt_cache::alloc/update, tools/server/server-task.cpp)."""
+    journal = host.sh("journalctl", "-u", unit, "--no-pager", "-o", "cat").stdout
+    return "making room for prompt cache entry" in journal or "cache size limit reached" in journal
 
 
 def host_model(host: CapyHost) -> str:
@@ -187,15 +204,16 @@ def host_model(host: CapyHost) -> str:
 
 
 def test_the_planned_prompt_cache_fills_and_the_engine_stays_within_its_limit(capyhost):
-    before, after = fill_the_prompt_cache(capyhost, "", prompts=10)
+    # Three prompts past the first time the cache gave up its oldest prompts: it stays at its limit
+    # while new prompts keep arriving (the control below is killed by the same prompts).
+    before, after = fill_the_prompt_cache(capyhost, "", prompts=10, past_the_limit=3)
     unit = "capyctl-smollm2.service"
     argv = capyhost.unit_property(unit, "ExecStart")
     # 320 MiB less the weights (93 MiB), the KV cache at -c 2048 (45 MiB) and the runtime (128 MiB).
     planned = re.search(r"--cache-ram (\d+) ", argv)
     assert planned and 32 <= int(planned.group(1)) <= 54, argv
     journal = capyhost.sh("journalctl", "-u", unit, "--no-pager", "-o", "cat").stdout
-    # The cache reached its limit and gave up its oldest prompts (server_prompt_cache::alloc/update).
-    assert "making room for prompt cache entry" in journal or "cache size limit reached" in journal, journal[-3000:]
+    assert cache_limit_reached(capyhost, unit), journal[-3000:]
     assert after == before and capyhost.unit_property(unit, "ActiveState") == "active"
     assert capyhost.cli_json("status", "deployment", "smollm2")["state"] == "ready"
 
