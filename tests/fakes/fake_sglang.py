@@ -85,6 +85,20 @@ def env_bool(name: str, default: bool) -> bool:
     raise ValueError(f'"{value}" is not a valid boolean value')
 
 
+
+async def _json_body(request: web.Request) -> Any:
+    """A required JSON body, or FastAPI's 422 for a missing or broken one (the routes take a Body())."""
+    raw = await request.read()
+    if not raw:
+        return web.json_response({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required",
+                                              "input": None}]}, status=422)
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        return web.json_response({"detail": [{"type": "json_invalid", "loc": ["body", 0],
+                                              "msg": "JSON decode error", "ctx": {"error": str(exc)}}]},
+                                 status=422)
+
 class FakeSglang(FakeEngine):
     label = "fake-sglang"
     owned_by = "sglang"
@@ -194,16 +208,9 @@ class FakeSglang(FakeEngine):
     # -- memory occupation ----------------------------------------------------------------------
     async def _tags(self, request: web.Request) -> list[str] | web.Response:
         """The request's tags, all of them for null or []; 422 as FastAPI answers a bad body."""
-        raw = await request.read()
-        if not raw:
-            return web.json_response({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required",
-                                                  "input": None}]}, status=422)
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return web.json_response({"detail": [{"type": "json_invalid", "loc": ["body", 0],
-                                                  "msg": "JSON decode error", "ctx": {"error": str(exc)}}]},
-                                     status=422)
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
         tags = body.get("tags") if isinstance(body, dict) else body
         if not isinstance(body, dict) or not (tags is None or (isinstance(tags, list)
                                                                and all(isinstance(t, str) for t in tags))):
@@ -255,16 +262,9 @@ class FakeSglang(FakeEngine):
         model_executor/model_runner_components/weight_updater.py update_weights_from_disk):
         after a resume without the CPU backup that restores them; into a region still paused by the
         memory saver it faults, as generation does."""
-        raw = await request.read()
-        if not raw:
-            return web.json_response({"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required",
-                                                  "input": None}]}, status=422)
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return web.json_response({"detail": [{"type": "json_invalid", "loc": ["body", 0],
-                                                  "msg": "JSON decode error", "ctx": {"error": str(exc)}}]},
-                                     status=422)
+        body = await _json_body(request)
+        if isinstance(body, web.Response):
+            return body
         model_path = body.get("model_path") if isinstance(body, dict) else None
         if not isinstance(model_path, str):
             return web.json_response({"detail": [{"type": "missing", "loc": ["body", "model_path"],
