@@ -30,9 +30,12 @@ def deploy(host: CapyHost, model: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=host.base_url + "/v1", api_key=host.create_key(), max_retries=0, timeout=300)
 
 
-def turn(client: openai.OpenAI, messages: list[dict]) -> tuple[str, int]:
-    """One turn: the answer, and how many of its prompt tokens llama-server took from its cache."""
-    answer = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0)
+def turn(client: openai.OpenAI, messages: list[dict], slot: int | None = None) -> tuple[str, int]:
+    """One turn: the answer, and how many of its prompt tokens llama-server took from its cache.
+    ``slot``: the slot that serves it (the request's ``id_slot``, server-context.cpp
+    handle_completions_impl; -1, any, by default)."""
+    answer = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={} if slot is None else {"id_slot": slot})
     timings = (answer.model_extra or {}).get("timings") or {}
     return answer.choices[0].message.content or "", int(timings.get("cache_n", -1))
 
@@ -108,11 +111,14 @@ def test_requests_that_share_a_prefix_all_reuse_the_slots_restored_after_a_wake(
     slots = 4  # llama-server's automatic slot count with a unified KV cache (server-context.cpp)
     shared = [{"role": "system", "content": LONG_TEXT[:1200]}]
 
-    def ask(i: int) -> int:
-        return turn(client, shared + [{"role": "user", "content": f"Question {i}: which pond?"}])[1]
+    def ask(i: int, slot: int | None = None) -> int:
+        return turn(client, shared + [{"role": "user", "content": f"Question {i}: which pond?"}], slot)[1]
 
     with concurrent.futures.ThreadPoolExecutor(slots) as pool:
-        list(pool.map(ask, range(slots)))  # each slot now holds the shared prefix
+        # Each slot now holds the shared prefix: pinned, as requests at once do not always overlap
+        # (on a loaded machine two of them were served one after another by the same slot, which
+        # left two slots empty to save).
+        list(pool.map(ask, range(slots), range(slots)))
         capyhost.cli("park", "deployment", "smollm2")
         saved = prompt_cache(capyhost)
         assert saved["state"] == "saved" and len(saved["files"]) == slots, saved
