@@ -15,6 +15,14 @@ mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /run
 mkdir -p /run/lock /run/systemd/system /run/systemd/journald.conf.d
 mount -t tmpfs -o mode=1777,nosuid,nodev tmpfs /tmp
 
+# Engine units' CacheDirectory= (/var/cache/capyctl-engine/<name>, stored under
+# /var/cache/private for DynamicUser= units): systemd chowns it to the unit's dynamic user
+# at each start. Shared with the host, two sandboxes starting a deployment of one name
+# at once chown one directory to two users, and the first engine loses its own cache.
+mkdir -p /var/cache/private /var/cache/capyctl-engine
+mount -t tmpfs -o mode=0700,nosuid,nodev tmpfs /var/cache/private
+mount -t tmpfs -o mode=0755,nosuid,nodev tmpfs /var/cache/capyctl-engine
+
 if [ -n "${CAPYSB_NETNS:-}" ]; then
   # A sysfs that shows this network namespace's interfaces (as `ip netns exec` does).
   mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
