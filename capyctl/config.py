@@ -124,6 +124,23 @@ def unit_name(deployment: str) -> str:
     return f"{UNIT_PREFIX}{deployment}.service"
 
 
+# A deployment's replicas (manifest `replicas`): the first is the deployment itself, the others
+# `<name>@<k>` (units capyctl-<name>@<k>.service, found with `systemctl status 'capyctl-<name>*'`).
+# Deployment names never hold '@' (spec NAME_PATTERN), so no replica name is another deployment's.
+REPLICA_MARK = "@"
+
+
+def replica_name(deployment: str, index: int) -> str:
+    """The name of ``deployment``'s replica ``index`` (1-based): its actor, unit, port and ledger charge."""
+    return deployment if index == 1 else f"{deployment}{REPLICA_MARK}{index}"
+
+
+def replica_of(name: str) -> tuple[str, int]:
+    """(deployment, replica index) of a replica's name; a deployment's own name is its replica 1."""
+    deployment, mark, index = name.partition(REPLICA_MARK)
+    return (deployment, int(index)) if mark and index.isdigit() else (name, 1)
+
+
 # Engines that serve on a unix socket do so in their unit's RuntimeDirectory=, which systemd
 # creates 0700 for the unit's user at start and removes at stop: /run/capyctl-engine/<name>.
 ENGINE_RUNTIME_PARENT = "capyctl-engine"

@@ -120,6 +120,36 @@ class PromptCache(_Strict):
         "cache, at most what resources.ram leaves beside the model; 0 turns the cache off.")
 
 
+# Most replicas one deployment may have: each is a unit, a port and a charge in the memory plan.
+MAX_REPLICAS = 64
+
+
+class Replicas(_Strict):
+    """How many engines serve one deployment, and how they scale and share its requests."""
+
+    min: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Replicas kept ready while the deployment "
+                     "serves (0: the last one parks after `scale_down_after` with no request).")
+    max: int = Field(default=1, ge=1, le=MAX_REPLICAS, description="Most replicas; more than `min` are added under "
+                     "load, one at a time.")
+    scale_up_load: float = Field(
+        default=4.0, gt=0, description="Requests in flight or waiting per ready replica past which a replica "
+        "is added (when it has lasted `scale_up_after` and there is room without evicting a busy deployment).")
+    scale_up_after: Duration = Field(default=5.0, gt=0, description="How long the load must stay past "
+                                     "`scale_up_load` before a replica is added.")
+    scale_down_after: Duration = Field(default=60.0, gt=0, description="A replica beyond `min` with no request "
+                                       "for this long parks.")
+    affinity_slack: int = Field(
+        default=4, ge=0, description="Prefix affinity's bound: a request whose prompt begins like one a replica "
+        "served recently goes to that replica unless it has more than this many requests beyond the least busy "
+        "ready replica (0: always the least busy).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "Replicas":
+        if self.max < self.min:
+            raise ValueError(f"replicas.max is {self.max} but replicas.min is {self.min}: max must be at least min")
+        return self
+
+
 class DeploymentSpec(_Strict):
     """A deployment manifest. Only ``name``, ``engine`` and ``model`` are required."""
 
@@ -173,6 +203,34 @@ class DeploymentSpec(_Strict):
     queue: int = Field(default=64, ge=1, le=100000, description="Most requests that may wait for this deployment; more get 429.")
     timeouts: Timeouts = Field(default_factory=Timeouts)
     prompt_cache: PromptCache = Field(default_factory=PromptCache)
+    replicas: Replicas = Field(
+        default_factory=Replicas, description="Engines serving this deployment, each its own unit "
+        "`capyctl-<name>.service`, `capyctl-<name>@2.service` ...: a number (`replicas: 2`, always that "
+        "many while it serves) or `{min: 1, max: 3}` to add replicas under load and park them when it ends. "
+        "Requests go to the least busy ready replica, or to the one that served the start of their prompt "
+        "(see docs/replicas.md).")
+
+    @field_validator("replicas", mode="before")
+    @classmethod
+    def _replica_count(cls, v):
+        if isinstance(v, bool):
+            raise ValueError("replicas is a number of replicas or {min: M, max: N}")
+        if isinstance(v, int):
+            if not 1 <= v <= MAX_REPLICAS:
+                raise ValueError(f"replicas is {v}: a fixed number of replicas is 1 to {MAX_REPLICAS} "
+                                 "(use {min: 0, max: N} to let the last one park)")
+            return {"min": v, "max": v}
+        return v
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas_of_one_host(cls, v: Replicas, info: ValidationInfo) -> Replicas:
+        nodes = info.data.get("nodes", 1)
+        if nodes > 1 and v.max > 1:
+            raise ValueError(f"replicas.max is {v.max} but nodes is {nodes}: a multi-node deployment is one "
+                             "engine spanning the hosts it names, and replicas of it are not supported (deploy "
+                             "a second one under another name)")
+        return v
 
     @field_validator("engine")
     @classmethod
