@@ -325,7 +325,9 @@ class MemoryPlanner:
             requests = [Request(member_name(actor.name, rank), fp, hosts=(host,))
                         for rank, host in enumerate(actor.spec.hosts[:actor.spec.nodes])]
         else:
-            requests = [Request(actor.name, fp, hosts=tuple(h for h in hosts if h in self.ledger.hosts) or hosts)]
+            # The other replicas of its deployment: placement spreads them and never evicts one.
+            requests = [Request(actor.name, fp, hosts=tuple(h for h in hosts if h in self.ledger.hosts) or hosts,
+                                siblings=frozenset(getattr(actor, "sibling_names", ())))]
         # Members go one after the other on a trial ledger, each seeing what the ones before took.
         trial = self.ledger.copy() if len(requests) > 1 else self.ledger
         plans: list[tuple[Plan, Request]] = []

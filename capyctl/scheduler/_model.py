@@ -134,11 +134,15 @@ class Footprint:
 
 @dataclass(frozen=True)
 class Request:
-    """"Wake or start ``deployment``": its footprint and the hosts it may run on (None: any)."""
+    """"Wake or start ``deployment``": its footprint and the hosts it may run on (None: any).
+
+    ``siblings`` are the ledger names of the other replicas of the same deployment: the planner
+    spreads replicas over cards and hosts and never evicts one to make room for another."""
 
     deployment: str
     footprint: Footprint
     hosts: tuple[str, ...] | None = None
+    siblings: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,14 @@ used first; the set of victims is minimal (fewest victims; among sets of equal s
 most recently used member was used longest ago, then the next, and so on); a victim parks in place
 when its parked footprint fits in the host's RAM, else it stops.
 
+Replicas of one deployment (``Request.siblings``, each charged under its own name) spread where
+room allows: among the options with the fewest victims, the planner prefers cards no sibling
+holds (counting each sibling on each of the option's cards), then a host with fewer siblings on
+it, before the tie-breakers above. Two replicas share a card only when no option with as few
+victims avoids it. A sibling is never a victim: evicting an idle replica to start another of the
+same deployment gains nothing. A sibling counts where its process lives (running, starting,
+stopping, or parked in place, which wakes on its cards); a stopped one holds no place.
+
 Finding the fewest victims is a small multi-dimensional covering problem (one dimension per card
 the deployment needs, plus the host's RAM, plus its cores when they are planned). It is solved exactly by a branch and bound that
 branches on the dimension with the fewest contributors and prunes with the sum of the largest
@@ -53,7 +61,8 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
 
     A deployment parked in place wakes where it is (its process and weights are there). Otherwise
     every allowed host is tried, and on each every set of ``footprint.gpus`` identical cards (same
-    model name and total memory). The winner has the fewest victims, then the victims cheapest to
+    model name and total memory). The winner has the fewest victims, then the fewest of the
+    option's cards held by sibling replicas, then the fewest siblings on its host, then the victims cheapest to
     wake again (their measured wake time, by wake_cost_class) and least recently used, then the tightest fit (the least memory left over on its cards, keeping large
     holes for large models), then the earlier host and lower card indices.
 
@@ -72,6 +81,9 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
                        code="deployment_in_transition")
 
     activity = _check_candidates(request.deployment, ledger, candidates, now)
+    # Siblings are left out of the victims' pool only; the NoRoom sentence still names them.
+    evictable = {name: c for name, c in activity.items() if name not in request.siblings}
+    siblings = [p for p in map(ledger.get, sorted(request.siblings)) if p is not None and p.process_lives]
     parked_here = own is not None and own.parked_in_place
     if parked_here:
         assert own is not None
@@ -83,7 +95,8 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
     else:
         allowed = ledger.hosts if request.hosts is None else tuple(h for h in ledger.hosts if h in request.hosts)
         options = [opt for host in allowed
-                   for opt in _host_options(ledger, host, fp.gpus, lambda dom: _card_cost(ledger, request, dom, activity))]
+                   for opt in _host_options(ledger, host, fp.gpus,
+                                              lambda dom: _card_cost(ledger, request, dom, evictable, siblings))]
 
     best_key: tuple | None = None
     best: tuple[_Option, list[_Item], dict[str, int]] | None = None
@@ -96,7 +109,7 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
     ceiling: dict[str, int] = {}
     for option in options:
         if option.host not in eligible_by_host:
-            eligible_by_host[option.host] = _eligible(ledger, option.host, activity)
+            eligible_by_host[option.host] = _eligible(ledger, option.host, evictable)
             for _, held in eligible_by_host[option.host]:
                 for dom, amount in held.items():
                     ceiling[dom] = ceiling.get(dom, 0) + amount
@@ -116,7 +129,8 @@ def plan(request: Request, ledger: Ledger, candidates: Iterable[Candidate], now:
             continue
         freed = {dom: sum(ledger.holders(dom).get(it.deployment, 0) for it in chosen) for dom in needs}
         leftover = sum(avail[d] + freed[d] - needs[d] for d in needs if d.startswith("gpu:"))
-        key = (len(chosen), _lru_key(chosen), leftover, host_rank[option.host], option.gpus)
+        key = (len(chosen), _shared_cards(siblings, option), sum(p.host == option.host for p in siblings),
+               _lru_key(chosen), leftover, host_rank[option.host], option.gpus)
         if best_key is None or key < best_key:
             best_key, best = key, (option, chosen, {d: avail[d] + freed[d] - needs[d] for d in needs})
 
@@ -190,17 +204,26 @@ def _host_options(ledger: Ledger, host: str, gpus: int, card_cost) -> list[_Opti
     return options
 
 
-def _card_cost(ledger: Ledger, request: Request, domain: str, activity: dict[str, Candidate]) -> tuple:
-    """How hard one card is to free for the request on its own: victims needed, their recency, free memory."""
+def _shared_cards(siblings: list[Placement], option: _Option) -> int:
+    """How many (sibling, card) pairs the option shares: 0 when no sibling holds any of its cards."""
+    return sum(index in p.gpus for p in siblings if p.host == option.host for index in option.gpus)
+
+
+def _card_cost(ledger: Ledger, request: Request, domain: str, activity: dict[str, Candidate],
+               siblings: list[Placement]) -> tuple:
+    """How hard one card is to free for the request on its own: victims needed, siblings on it
+    (replicas spread), their recency, free memory."""
     need = request.footprint.gpu_need(ledger.domains[domain].capacity)
     deficit = need - ledger.free(domain)
     host = ledger.domains[domain].host
+    index = ledger.domains[domain].index
+    shared = sum(p.host == host and index in p.gpus for p in siblings)
     items = sorted((_Item(eviction_order(c), c.deployment, (held[domain],)) for c, held in _eligible(ledger, host, activity)
                     if held.get(domain, 0) > 0), key=lambda it: (it.eviction_order, it.deployment))
     chosen = _fewest_in_component(items, (deficit,), len(items))
     if chosen is None:
-        return (1, 0, (), -ledger.free(domain))
-    return (0, len(chosen), _lru_key(chosen), -ledger.free(domain))
+        return (1, 0, shared, (), -ledger.free(domain))
+    return (0, len(chosen), shared, _lru_key(chosen), -ledger.free(domain))
 
 
 def _needs(ledger: Ledger, request: Request, option: _Option) -> dict[str, int]:
@@ -416,13 +439,14 @@ def _no_room(request: Request, ledger: Ledger, options: list[_Option], activity:
         domains = sorted({d for o in options if o.host == host for d in _needs(ledger, request, o)},
                          key=lambda d: (d.startswith("ram:"), d))
         free = {d: _available(ledger, own_parked, d, 0) for d in domains}
-        held: dict[str, dict[str, list[str]]] = {"busy": {}, "never evicted": {}, "in transition": {}}
+        held: dict[str, dict[str, list[str]]] = {"busy": {}, "never evicted": {}, "in transition": {}, "replicas": {}}
         for dom in domains:
             for deployment, amount in ledger.holders(dom).items():
                 if own_parked is not None and deployment == own_parked.deployment:
                     continue
                 c = activity.get(deployment)
-                why = ("busy" if c is not None and c.busy else "never evicted" if c is not None and c.never_evict
+                why = ("replicas" if deployment in request.siblings
+                       else "busy" if c is not None and c.busy else "never evicted" if c is not None and c.never_evict
                        else "in transition" if c is None or c.state not in ("ready", "parked") else None)
                 if why:
                     held[why].setdefault(deployment, []).append(f"{format_amount(dom, amount)} on {dom}")
@@ -434,7 +458,8 @@ def _no_room(request: Request, ledger: Ledger, options: list[_Option], activity:
         text = f"On {host}, free: " + ", ".join(f"{d} {format_amount(d, v)}" for d, v in free.items())
         for why, holders in blocked.items():
             if holders:
-                text += f"; held by {why} deployments: " + ", ".join(holders)
+                text += f"; held by {'its other replicas' if why == 'replicas' else why + ' deployments'}: " \
+                    + ", ".join(holders)
         if pending:
             text += "; not yet confirmed released: " + ", ".join(pending)
         if external:
