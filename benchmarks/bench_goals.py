@@ -118,10 +118,23 @@ SSH_PER_HOST = Goal("ssh_per_host", 1, True, "count", 36, "SSH connections per h
 LIST_S = Goal("list_s", 1.0, True, "s", 36, "`capyctl list hosts` and `list deployments --json`", "<= {:.0f} s")
 RESTART_S = Goal("restart_s", 10.0, True, "s", 36, "`systemctl restart` of the daemon to every deployment adopted",
                  "<= {:.0f} s, none relaunched")
+# Issue 46: a deployment's replicas (replicas.py).
+REPLICA_AFFINITY_TTFT = Goal("replica_affinity_ttft", 0.5, True, "x", 46,
+                             "prefix affinity over 2 replicas: median first token of multi-turn conversations "
+                             "sharing a long system prompt, against client round robin over 2 deployments",
+                             "<= {:.2f}x round robin")
+REPLICA_KILL_FAILED = Goal("replica_kill_failed", 0, True, "count", 46,
+                           "a replica killed under load: non-streamed requests failed", "{:.0f} failed")
+REPLICA_KILL_CUT = Goal("replica_kill_cut", 0, True, "count", 46,
+                        "a replica killed under load: streams cut without an error event", "{:.0f} cut silently")
+REPLICA_ROLLOUT_FAILED = Goal("replica_rollout_failed", 0, True, "count", 46,
+                              "a new revision rolled out over 2 replicas under load: requests failed",
+                              "{:.0f} failed")
 
 GOALS: dict[str, Goal] = {g.name: g for g in (
     ADDED_LATENCY, MEDIAN_VS_NGINX, P95_VS_NGINX, TTFC_VS_NGINX, STREAM_VS_DIRECT, WAKE_VS_MANUAL, IDLE_RSS,
     RSS_GROWTH, SCALE_RPS, STREAMS, STREAMS_LOST, HOSTILE_FAILED, HOSTILE_P99, HOSTILE_OUTLIVED, ENGINE_CLIENT_PAYS,
     CONTENTION_FAILED, CONTENTION_SHARE, CONTENTION_P99, CONTENTION_ANSWERS, ANSWERS_VS_CEILING, SWAP_VS_OWN_START,
     MIXED_LIGHT_P99, KV_VS_WARM_PLUS_START, CLIENTS_AGREE, CAPYCTL_VS_DIRECT, KV_VS_WARM, KV_VS_NO_RESTORE,
-    RSS_PER_HOST, CPU_PER_HOST, SSH_PER_HOST, LIST_S, RESTART_S)}
+    RSS_PER_HOST, CPU_PER_HOST, SSH_PER_HOST, LIST_S, RESTART_S, REPLICA_AFFINITY_TTFT, REPLICA_KILL_FAILED,
+    REPLICA_KILL_CUT, REPLICA_ROLLOUT_FAILED)}

@@ -8,7 +8,8 @@ distributions direct vs nginx vs CapyCTL, and LiteLLM when it was measured) into
 
 With ``--docs docs/benchmarks.md`` it writes nothing into the folder: it replaces the text between
 each ``<!-- bench_summary: begin NAME -->`` and ``<!-- bench_summary: end NAME -->`` in that file
-with NAME's table from the run (``groups``: proxy, door, contention, kv_park, outside_client, hop)
+with NAME's table from the run (``groups``: proxy, door, contention, kv_park, outside_client, hop,
+replicas)
 or of the goals (``goals``, ``goals-N`` for issue N), and leaves the text around them alone.
 
 The helpers above ``main`` are pure (no I/O) and covered by tests/unit/test_bench_summary.py.
@@ -560,6 +561,102 @@ def outside_client_rows(outside: dict[str, Any] | None) -> list[Row]:
                 G.CAPYCTL_VS_DIRECT.judge(versus[worst_versus]), versus[worst_versus])]
 
 
+def replicas_rows(rep: dict[str, Any] | None) -> list[Row]:
+    """Issue 46's rows from replicas.py's JSON: prefix affinity against client round robin (median
+    first token), a replica killed under load (failed requests, streams cut silently), a revision
+    rolled out under load (failed requests), and scaling's seconds up and down (reported, no goal).
+    A part not run, or failed, is n/a with its reason (the run's own error first: a daemon without
+    replicas says so there)."""
+    m_aff = "replicas: prefix affinity vs client round robin, median first token"
+    m_failed, m_cut = "replicas: one killed under load: non-streamed requests failed", \
+        "replicas: one killed under load: streams cut without an error event"
+    m_roll = "replicas: a new revision rolled out under load: requests failed"
+    m_up, m_down = "replicas: load past scale_up_load -> second replica ready", \
+        "replicas: load ended -> second replica parked"
+    parts = (rep or {}).get("parts") or {}
+
+    def why(name: str) -> str | None:
+        """Why a part has no figures; None where it has them."""
+        part = parts.get(name)
+        if part and not part.get("error"):
+            return None
+        if part and name == "rollout" and "plain" in part:
+            return None  # (its deploy failed: said in its row)
+        return (part or {}).get("error") or (rep or {}).get("error") or (
+            "replicas.py wrote no result" if rep is None else "not measured in this run")
+
+    rows: list[Row] = []
+    aff = parts.get("affinity")
+    if why("affinity"):
+        rows.append(Row(m_aff, why("affinity"), G.REPLICA_AFFINITY_TTFT.shown, "n/a"))
+    else:
+        a, b = aff["affinity"], aff["round_robin"]
+        r = aff.get("median_ratio")
+
+        def cache(side: dict[str, Any]) -> str:
+            return str((side.get("cache_n") or {}).get("median", "n/a"))
+        rows.append(Row(m_aff, f"{_x(r)} ({_ms(a['ttft_s']['median'])} vs {_ms(b['ttft_s']['median'])}; p90 "
+                               f"{_x(aff.get('p90_ratio'))}, {_ms(a['ttft_s']['p90'])} vs {_ms(b['ttft_s']['p90'])}; "
+                               f"cache_n median {cache(a)} vs {cache(b)}; {aff['conversations']} conversations of "
+                               f"{aff['turns']} turns, {aff['concurrency']} at a time"
+                               + (f"; failed turns {a['failed']} vs {b['failed']}" if a["failed"] or b["failed"] else "")
+                               + ")", G.REPLICA_AFFINITY_TTFT.shown, G.REPLICA_AFFINITY_TTFT.judge(r), r))
+        rows.append(Row("replicas: client round robin over two deployments (baseline)",
+                        f"first token median {_ms(b['ttft_s']['median'])}, p90 {_ms(b['ttft_s']['p90'])}, follow-up "
+                        f"turns {_ms(b['follow_up_ttft_s']['median'])} (affinity "
+                        f"{_ms(a['follow_up_ttft_s']['median'])}); {b['answered']} of {b['turns']} turns answered",
+                        "(baseline)", "info"))
+    kill = parts.get("kill")
+    if why("kill"):
+        rows += [Row(m_failed, why("kill"), G.REPLICA_KILL_FAILED.shown, "n/a"),
+                 Row(m_cut, why("kill"), G.REPLICA_KILL_CUT.shown, "n/a")]
+    else:
+        plain, streams = kill["plain"], kill["streams"]
+        rows.append(Row(m_failed, f"{plain['failed']} of {plain['requests']} ({_codes(plain['failed_by'])}); "
+                                  f"{kill['unit']} killed at {_s(kill['killed_at_s'])}, ready again after "
+                                  f"{_s(kill.get('back_ready_after_s'))}", G.REPLICA_KILL_FAILED.shown,
+                        G.REPLICA_KILL_FAILED.judge(plain["failed"] if plain["requests"] else None), plain["failed"]))
+        at = streams.get("in_flight_at") or {}
+        value = (f"{streams['cut']} of {streams['requests']} streams; in flight at the kill {at.get('requests', 0)}: "
+                 f"{at.get('done', 0)} done, {at.get('error_event', 0)} ended by an error event, {at.get('cut', 0)} cut; "
+                 f"refused {streams['refused']}")
+        if not at.get("requests"):
+            rows.append(Row(m_cut, value + " (no stream was in flight at the kill: not checked)",
+                            G.REPLICA_KILL_CUT.shown, "n/a"))
+        else:
+            rows.append(Row(m_cut, value, G.REPLICA_KILL_CUT.shown, G.REPLICA_KILL_CUT.judge(streams["cut"]),
+                            streams["cut"]))
+    roll = parts.get("rollout")
+    if why("rollout"):
+        rows.append(Row(m_roll, why("rollout"), G.REPLICA_ROLLOUT_FAILED.shown, "n/a"))
+    else:
+        total = roll["plain"]["requests"] + roll["streams"]["requests"]
+        by = {**roll["plain"]["failed_by"], **roll["streams"]["not_done_by"]}
+        value = (f"{roll['failed']} of {total} ({_codes(by)}); the deploy took {_s(roll.get('deploy_s'))}, "
+                 f"engines replaced: {'yes' if roll.get('replaced') else 'no'}")
+        if roll.get("deploy_error") or not roll.get("replaced"):
+            rows.append(Row(m_roll, value + "; " + (roll.get("deploy_error") or "no engine was replaced: no rollout"),
+                            G.REPLICA_ROLLOUT_FAILED.shown, "n/a"))
+        else:
+            rows.append(Row(m_roll, value, G.REPLICA_ROLLOUT_FAILED.shown,
+                            G.REPLICA_ROLLOUT_FAILED.judge(roll["failed"] if total else None), roll["failed"]))
+    scale = parts.get("scale")
+    up = (scale or {}).get("up_s")
+    if up is None:
+        rows.append(Row(m_up, why("scale") or (scale or {}).get("error") or "not seen", "", "n/a"))
+    else:
+        rows.append(Row(m_up, f"{_s(up)} after the load began ({scale['clients']} clients; past scale_up_load seen "
+                              f"at {_s(scale.get('over_load_at_s'))}; scale_up_after "
+                              f"{scale['replicas'].get('scale_up_after')})", "", "info", up))
+    down = (scale or {}).get("down_s")
+    if down is None:
+        rows.append(Row(m_down, (scale or {}).get("error") or why("scale") or "not seen", "", "n/a"))
+    else:
+        rows.append(Row(m_down, f"{_s(down)} after the load ended (scale_down_after "
+                                f"{scale['replicas'].get('scale_down_after')})", "", "info", down))
+    return rows
+
+
 def answer_ceiling(scenario: dict[str, Any], own_start: float | None) -> float | None:
     """Where the engine's own start is longer than a batch takes to serve, the share of the
     one-model answers a restart swap can reach at most: batch / (batch + own start). None where
@@ -582,6 +679,9 @@ def groups(results: dict[str, Any]) -> dict[str, list[Row]]:
         "kv_park": kv_park_rows(results.get("kv_park")),
         "outside_client": outside_client_rows(results.get("outside_client")),
         "hop": [*hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)],
+        # Issue 46's, only from a run that has replicas.py's JSON (scripts/bench writes one, an error
+        # at least, whatever becomes of it); a run from before it has no such rows.
+        **({"replicas": replicas_rows(results["replicas"])} if "replicas" in results else {}),
     }
 
 
