@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pydantic import ValidationError
 
 from ..bodies import BodyBudget, lease_middleware, lease_of, read_within
-from ..controller import Command, Controller, UsageView
+from ..controller import Controller, UsageView
 from ..errors import CapyError, InvalidRequest
 from ..spec import DeploymentSpec, EngineSpec, ManifestError
 from ..store import Store
@@ -168,7 +168,9 @@ async def create_deployment(request: web.Request) -> web.StreamResponse:
     async def run() -> dict:
         actor = await ctl.deploy(spec, activate=False, progress=progress)
         if activate:
-            waker = actor.submit(Command.WAKE, progress=progress)
+            # Every replica the deployment keeps (replicas.min), not only its first.
+            waker = asyncio.ensure_future(ctl.wake(actor.name, progress=progress))
+            waker.add_done_callback(lambda f: f.cancelled() or f.exception())
             if wait:
                 await waker
         return actor.describe()
@@ -441,7 +443,7 @@ def build_api(controller: Controller, store: Store, credentials: Credentials | N
     r.add_post("/v1/deployments", create_deployment)
     r.add_get("/v1/deployments/{name}", get_deployment)
     r.add_delete("/v1/deployments/{name}", delete_deployment)
-    for verb in ("park", "wake", "stop"):
+    for verb in ("park", "wake", "stop", "drain"):
         r.add_post(f"/v1/deployments/{{name}}/{verb}", _action(verb))
     r.add_get("/v1/deployments/{name}/logs", deployment_logs)
     r.add_get("/v1/deployments/{name}/inspect", inspect_deployment)

@@ -240,7 +240,9 @@ def _ops() -> list[Operation]:
     ]
     for verb, what in (("park", "Park: release its memory; the next request wakes it"),
                        ("wake", "Wake a parked or stopped deployment now"),
-                       ("stop", "Stop its unit; it stays recorded and wakes on a request")):
+                       ("stop", "Stop its unit; it stays recorded and wakes on a request"),
+                       ("drain", "Drain one replica (NAME@K) or a whole deployment: out of routing, its requests "
+                                 "finished, then parked; a replica stays out until woken by name")):
         ops.append(Operation("POST", f"/v1/deployments/{{name}}/{verb}", what, dep,
                              {200: Deployment, **ACTION_ERRORS, **OPERATOR_WRITE}, headers=IDEMPOTENCY))
     return ops

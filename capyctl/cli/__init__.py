@@ -158,6 +158,33 @@ def _row(d: dict) -> list:
             d.get("reason") or ""]
 
 
+# States of a replica that serves or is about to: the replicas a deployment wants now.
+_UP = ("ready", "starting", "waking")
+
+
+def deployment_rows(rows: list[dict]) -> list[list]:
+    """One row per deployment from the API's one per replica: READY is its ready replicas over
+    those it wants now (replicas.min, or more while scaled up or starting), STATE ready while
+    any replica serves, HOSTS every replica's."""
+    groups: dict[str, list[dict]] = {}
+    for d in rows:
+        groups.setdefault((d.get("replica") or {}).get("deployment", d["name"]), []).append(d)
+    out = []
+    for name, members in groups.items():
+        members.sort(key=lambda d: (d.get("replica") or {}).get("index", 1))
+        if len(members) == 1 and (members[0].get("replica") or {}).get("max", 1) == 1:
+            out.append(_row(members[0]))
+            continue
+        first, spec = members[0], members[0].get("replica") or {}
+        ready = sum(d["state"] == "ready" for d in members)
+        wanted = max(spec.get("min", 1), sum(d["state"] in _UP for d in members))
+        hosts = sorted({h for d in members for h in (d.get("hosts") or [])})
+        out.append([name, "ready" if ready else first["state"], f"{ready}/{wanted}", first["revision"],
+                    ",".join(hosts) or "local", first.get("engine"),
+                    "; ".join(f"{d['name']}: {d['reason']}" for d in members if d.get("reason"))])
+    return out
+
+
 def spec_body(spec: DeploymentSpec | EngineSpec) -> dict:
     """A manifest as the API receives it: what differs from the defaults, which the daemon fills
     in again. A daemon older than this CLI then accepts every manifest that uses none of the
@@ -214,7 +241,7 @@ def cmd_list(args) -> int:
         if args.json:
             print_json(rows)
         else:
-            print_table(["NAME", "STATE", "READY", "REVISION", "HOSTS", "ENGINE", "REASON"], map(_row, rows))
+            print_table(["NAME", "STATE", "READY", "REVISION", "HOSTS", "ENGINE", "REASON"], deployment_rows(rows))
     elif what == "engines":
         rows = client.request("GET", "/v1/engines")
         if args.json:
@@ -307,6 +334,16 @@ def cmd_status(args) -> int:
         print(f"Endpoint: 127.0.0.1:{d['port']} (loopback, per-launch key)")
     print(f"  Memory: {human_bytes(d.get('memory_current'))}")
     print(f"Requests: {d.get('in_flight', 0)} in flight, {d.get('waiting', 0)} waiting")
+    if d.get("replicas"):
+        spec = d.get("replica") or {}
+        print(f"Replicas: {sum(r['state'] == 'ready' for r in d['replicas'])} ready of {len(d['replicas'])} "
+              f"(min {spec.get('min')}, max {spec.get('max')})")
+        for r in d["replicas"]:
+            note = " (held out: drained or stopped by name)" if r.get("held") else \
+                "" if r.get("routable") or r["state"] != "ready" else " (out of routing)"
+            print(f"  {r['unit']}: {r['state']} on {r['host']}, rev {r['revision']}, "
+                  f"{r['in_flight']} in flight, {r['waiting']} waiting{note}"
+                  + (f" ({r['reason']})" if r.get("reason") else ""))
     room = d.get("waiting_for_room")
     if room:
         print(f"    Turn: waiting {room['seconds']:.0f}s for room held by busy deployments"
@@ -584,6 +621,14 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_drain(args) -> int:
+    if args.resource == "deployment":
+        d = ApiClient(args.api_socket, timeout=None).request("POST", f"/v1/deployments/{args.name}/drain")
+        if args.json:
+            print_json(d)
+        else:
+            print(f"{d['name']}: {d['state']}" + (f"; out of routing until 'capyctl wake {d['name']}'"
+                                                   if "@" in d["name"] else ""))
+        return 0
     r = ApiClient(args.api_socket, timeout=None).request("POST", f"/v1/hosts/{args.name}/drain")
     if args.json:
         print_json(r)
@@ -716,14 +761,17 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func=cmd_inspect)
 
-    p = add("drain", "close a host to new deployments and park or move those on it",
-            "Cordon the host (kept across daemon restarts): no deployment is placed or woken there.\n"
-            "Then each deployment on it is parked out of place, releasing its memory there; one that\n"
-            "was serving and may run on another host (its manifest's hosts) is woken there instead.\n"
-            "A deployment that may only run on a drained host answers 503 host_cordoned until\n"
-            "'capyctl uncordon host NAME'. Exit status 1 if a deployment could not be parked.")
-    p.add_argument("resource", choices=["host"])
-    p.add_argument("name", help="host name ('local' is this host)")
+    p = add("drain", "close a host to new deployments, or take one replica out of service",
+            "drain host NAME: cordon the host (kept across daemon restarts): no deployment is placed or\n"
+            "woken there. Then each deployment on it is parked out of place, releasing its memory there;\n"
+            "one that was serving and may run on another host (its manifest's hosts) is woken there\n"
+            "instead. A deployment that may only run on a drained host answers 503 host_cordoned until\n"
+            "'capyctl uncordon host NAME'. Exit status 1 if a deployment could not be parked.\n\n"
+            "drain deployment NAME@K: take replica K of a deployment out of routing, let its requests\n"
+            "finish, then park it; its siblings serve meanwhile, and scaling leaves it alone until\n"
+            "'capyctl wake NAME@K'. drain deployment NAME parks every replica the same way.")
+    p.add_argument("resource", choices=["host", "deployment"])
+    p.add_argument("name", help="host name ('local' is this host), or deployment or replica name (chat@2)")
     _common(p)
     p.set_defaults(func=cmd_drain)
 

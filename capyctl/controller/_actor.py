@@ -40,7 +40,7 @@ import secrets
 import time
 from typing import Any, AsyncIterator, Callable
 
-from ..config import unit_name
+from ..config import replica_name, unit_name
 from ..engines._tiers import RESTART, TIER_SLEEP_LEVEL
 from ..errors import CapyError, Unavailable
 from ..proxy.router import Upstream
@@ -77,9 +77,17 @@ def no_progress(_: str) -> None:
 
 
 class DeploymentActor:
-    def __init__(self, controller: DeploymentServices, revision: Revision) -> None:
+    def __init__(self, controller: DeploymentServices, revision: Revision, replica: int = 1) -> None:
         self.controller = controller
         self.revision = revision
+        # Its index among its deployment's replicas (manifest `replicas`; 1: the deployment's own
+        # name): the name of its unit, port, key, park record and ledger charge (config.replica_name).
+        self.replica = replica
+        self._name = replica_name(revision.deployment, replica)
+        self.ready_since = 0.0  # wall-clock time it last became ready (replica scaling's idle clock)
+        # A wake that adds a replica for load takes only free room or idle deployments' room: it
+        # never waits for busy ones to yield theirs (Controller.make_room).
+        self.waits_for_room = True
         self.state = DeploymentState.STOPPED  # written by _set alone
         self.reason: str | None = None
         self.journal: list[str] = []
@@ -150,7 +158,17 @@ class DeploymentActor:
 
     @property
     def name(self) -> str:
+        return self._name
+
+    @property
+    def deployment(self) -> str:
+        """The deployment it is a replica of (its own name for replica 1)."""
         return self.revision.deployment
+
+    @property
+    def sibling_names(self) -> tuple[str, ...]:
+        """The other replicas of its deployment (the planner spreads them: _planner.py)."""
+        return tuple(n for n in self.controller.replica_names(self.deployment) if n != self.name)
 
     @property
     def spec(self) -> DeploymentSpec:
@@ -307,6 +325,8 @@ class DeploymentActor:
             raise InvalidTransition(f"deployment {self.name!r} may not go from {self.state} to {state}")
         if state != self.state:
             log.info("deployment %s: %s -> %s%s", self.name, self.state, state, f" ({reason})" if reason else "")
+        if state == DeploymentState.READY and self.state != state:
+            self.ready_since = time.time()
         self.state = state
         self.reason = reason
         if state != DeploymentState.READY and self._wake_timeline is not None:
@@ -319,10 +339,13 @@ class DeploymentActor:
 
     # -- wake ---------------------------------------------------------------------------------
 
-    async def _do_wake(self, progress: Progress = no_progress, for_requests: bool = False) -> str:
+    async def _do_wake(self, progress: Progress = no_progress, for_requests: bool = False,
+                       room_now_only: bool = False) -> str:
         """``for_requests``: asked by waiting requests (not by an operator), so a wait for room
-        ends once none of them waits any more (``abandoned``)."""
+        ends once none of them waits any more (``abandoned``). ``room_now_only``: a replica added
+        for load, which takes free or idle room and never waits for busy deployments to yield."""
         self._wake_for_requests = for_requests
+        self.waits_for_room = not room_now_only
         if self.state == DeploymentState.READY:
             return self.state
         if self.state == DeploymentState.FAILED and self.backoff_left() > 0:

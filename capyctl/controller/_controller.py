@@ -16,13 +16,13 @@ from typing import Any, AsyncIterator, Callable
 
 import aiohttp
 
-from ..config import DaemonConfig, deployment_from_unit
+from ..config import DaemonConfig, deployment_from_unit, replica_of
 from ..errors import CapyError, Conflict, NotFound
 from ..proxy.connector import EngineConnector
 from ..proxy.router import DurationCounts, MemoryGauge, ModelEntry, Upstream
 from ..scheduler import NoRoom
 from ..spec import DeploymentSpec, EngineSpec
-from ..store import Store
+from ..store import Revision, Store
 from ._actor import DeploymentActor, Progress, no_progress
 from ._admission import Busy
 from ._launch import spec_capabilities
@@ -35,6 +35,7 @@ from ._memory import measure as measure_memory
 from ._cordons import Cordons
 from ._metrics import DeploymentMetrics
 from ._ports import PortLeases
+from ._replicas import ReplicaSet, prefix_hashes
 from ._secrets import EngineSecrets
 from ._timeline import EVICT, MAKE_ROOM, WAIT_FOR_ROOM, Timeline
 from ._usage import UsageView
@@ -53,7 +54,9 @@ class Controller:
         self.paths = config.paths
         self.store = store
         self.systemd = systemd
-        self.actors: dict[str, DeploymentActor] = {}
+        self.actors: dict[str, DeploymentActor] = {}  # by replica name (config.replica_name)
+        # Each deployment's replicas, by deployment name: routing and scaling (_replicas.py).
+        self.replica_sets: dict[str, ReplicaSet] = {}
         self.http: aiohttp.ClientSession | None = None
         self.memory = MemoryPlanner(config)
         self.turns = Turns(config)  # deployments waiting for room held by busy ones (_turns.py)
@@ -83,10 +86,10 @@ class Controller:
         for dep in self.store.list_deployments():
             revision = self.store.current_revision(dep.name)
             if revision is not None:
-                actor = self.actors[dep.name] = DeploymentActor(self, revision)
-                runtime = self.store.get_runtime(dep.name)
-                if runtime is not None:
-                    actor.host = runtime.host
+                for actor in self._add_replicas(revision):
+                    runtime = self.store.get_runtime(actor.name)
+                    if runtime is not None:
+                        actor.host = runtime.host
         await self.hosts.start()
         # Each host's units adopted at once: a restart with many hosts must not wait for each in turn.
         outcomes = await asyncio.gather(*(self.reconcile(host) for host in self.hosts.online_names()),
@@ -359,6 +362,9 @@ class Controller:
                 placed, yielders = await self._place(actor, progress, timeline)
                 if placed:
                     return
+                if not actor.waits_for_room:
+                    raise RoomWaitTimeout(f"replica {actor.name!r} is added for load only where room is free or "
+                                          "held by idle deployments, and busy ones hold it", retry_after=1.0)
                 since = self.turns.join(actor.name)
                 closed = self.turns.yield_to(actor.name, [y.requests for y in yielders], actor.requests)
                 if closed:
@@ -446,6 +452,10 @@ class Controller:
 
     def on_state_change(self, actor: DeploymentActor) -> None:
         self.memory.observe(actor)
+        if actor.state != DeploymentState.READY:
+            replicas = self.replica_sets.get(actor.deployment)
+            if replicas is not None and replicas.replicated:
+                replicas.went_away(actor)
         self.turns.changed()
         self.metrics.state_changed(actor)
         if actor.state == DeploymentState.READY:
@@ -536,23 +546,75 @@ class Controller:
                 after = self.idle_park_after(actor)
                 if after is None or actor.state != DeploymentState.READY or actor.busy or actor.spec.park == "never":
                     continue
-                if now - (actor.last_used or now) >= after and not actor.has_pending_commands:
+                # A replica that no request reached yet (routing chose its siblings) is idle since
+                # it became ready; a lone deployment never used stays as it always has.
+                last = actor.last_used or (actor.ready_since if actor.spec.replicas.max > 1 else 0) or now
+                if now - last >= after and not actor.has_pending_commands:
                     actor.submit(Command.PARK, evicting=True, idle=True, reason=f"idle for {after:.0f}s")
+            self._scale_replicas()
+
+    # -- replicas (_replicas.py) --------------------------------------------------------------------
+
+    def _add_replicas(self, revision: Revision) -> list[DeploymentActor]:
+        """Actors for the replicas ``revision`` asks for that do not exist yet."""
+        replicas = self.replica_sets.get(revision.deployment)
+        if replicas is None:
+            replicas = self.replica_sets[revision.deployment] = ReplicaSet(revision.deployment)
+        added = []
+        for index in range(1, revision.spec.replicas.max + 1):
+            if index not in replicas.members:
+                actor = DeploymentActor(self, revision, index)
+                self.actors[actor.name] = replicas.members[index] = actor
+                added.append(actor)
+        return added
+
+    def add_deployment(self, revision: Revision) -> DeploymentActor:
+        """The actors of a recorded revision's replicas, none started; its replica 1."""
+        self._add_replicas(revision)
+        return self.replica_sets[revision.deployment].primary
+
+    def replica_names(self, deployment: str) -> list[str]:
+        replicas = self.replica_sets.get(deployment)
+        return replicas.names() if replicas is not None else []
+
+    def replicas_of(self, name: str) -> ReplicaSet:
+        """The replica set of deployment ``name``, or of the replica named ``name``."""
+        replicas = self.replica_sets.get(replica_of(name)[0])
+        if replicas is None or name not in self.actors:
+            raise NotFound(f"no deployment named {name!r}", code="deployment_not_found")
+        return replicas
+
+    def _scale_replicas(self) -> None:
+        """Add or park replicas by load (ReplicaSet.scale); each decision in the journal and /metrics."""
+        for replicas in list(self.replica_sets.values()):
+            if replicas.spec.replicas.max == 1 and replicas.spec.replicas.min <= 1:
+                continue
+            for decision in replicas.scale():
+                actor = self.actors[decision.replica]
+                log.info("deployment %s: %s replica %s: %s", replicas.deployment,
+                         "parking" if decision.direction == "down" else "adding", actor.name, decision.reason)
+                self.metrics.scaled(actor.name, decision.direction)
+                if decision.direction == "down":
+                    actor.submit(Command.PARK, evicting=True, idle=True, reason=f"scaled down: {decision.reason}")
+                else:
+                    actor.submit(Command.WAKE, room_now_only=decision.direction == "up")
 
     # -- Router (for the proxy) ---------------------------------------------------------------------
 
-    def _lookup(self, model: str) -> DeploymentActor:
-        actor = self.actors.get(model)
-        if actor is None:
-            for candidate in self.actors.values():
+    def _lookup(self, model: str) -> ReplicaSet:
+        """The deployment clients call ``model`` (its name or an alias); a replica's own name is
+        not a model."""
+        replicas = self.replica_sets.get(model)
+        if replicas is None:
+            for candidate in self.replica_sets.values():
                 if model in candidate.spec.aliases:
                     return candidate
             raise NotFound(f"the model {model!r} does not exist", code="model_not_found")
-        return actor
+        return replicas
 
     def models(self) -> list[ModelEntry]:
-        return [self._entry(actor, ident) for actor in self.actors.values()
-                for ident in [actor.name, *actor.spec.aliases]]
+        return [self._entry(replicas, ident) for replicas in self.replica_sets.values()
+                for ident in [replicas.deployment, *replicas.spec.aliases]]
 
     def model_entry(self, model: str) -> ModelEntry | None:
         try:
@@ -561,21 +623,42 @@ class Controller:
             return None
 
     @staticmethod
-    def _entry(actor: DeploymentActor, ident: str) -> ModelEntry:
-        return ModelEntry(id=ident, deployment=actor.name, state=actor.state, engine=actor.spec.engine,
-                          created=int(actor.revision.created_at), capabilities=actor.capabilities)
+    def _entry(replicas: ReplicaSet, ident: str) -> ModelEntry:
+        actor = replicas.primary
+        state = actor.state
+        if replicas.replicated and state != DeploymentState.READY and replicas.ready():
+            state = DeploymentState.READY  # a model serves while any of its replicas does
+        return ModelEntry(id=ident, deployment=replicas.deployment, state=state, engine=actor.spec.engine,
+                          created=int(actor.revision.created_at), capabilities=actor.capabilities,
+                          replicas=len(replicas.members))
 
-    def try_acquire(self, model: str) -> tuple[Upstream, Callable[[], None]] | None:
+    def try_acquire(self, model: str, prompt: str | None = None) -> tuple[Upstream, Callable[[], None]] | None:
         try:
-            actor = self._lookup(model)
+            replicas = self._lookup(model)
         except NotFound:
             return None  # acquire() raises model_not_found
-        return (actor.upstream(), actor.requests.release) if actor.requests.admit_now() else None
+        if not replicas.replicated:
+            actor = replicas.primary
+            return (actor.upstream(), actor.requests.release) if actor.requests.admit_now() else None
+        hashes = prefix_hashes(prompt)
+        actor = replicas.pick_ready(hashes)
+        if actor is None or not actor.requests.admit_now():
+            return None
+        replicas.served(hashes, actor)
+        return actor.upstream(), actor.requests.release
 
     @asynccontextmanager
-    async def acquire(self, model: str, progress: Callable[[str], None] | None = None) -> AsyncIterator[Upstream]:
-        actor = self._lookup(model)
+    async def acquire(self, model: str, progress: Callable[[str], None] | None = None,
+                      prompt: str | None = None) -> AsyncIterator[Upstream]:
+        replicas = self._lookup(model)
+        hashes: tuple[int, ...] = ()
+        if replicas.replicated:
+            hashes = prefix_hashes(prompt)
+            actor = replicas.pick_ready(hashes) or replicas.to_wake()
+        else:
+            actor = replicas.primary
         await actor.requests.admit(progress)
+        replicas.served(hashes, actor)
         try:
             yield actor.upstream()
         finally:
@@ -583,7 +666,17 @@ class Controller:
 
     async def engine_lost(self, upstream: Upstream) -> bool:
         actor = self.actors.get(upstream.deployment)
-        return actor is not None and actor.spec.on_host_loss == "move" and await self.hosts.confirm_lost(upstream.host)
+        if actor is None:
+            return False
+        replicas = self.replica_sets.get(actor.deployment)
+        if replicas is not None and replicas.replicated and any(
+                other is not actor and other.name not in replicas.held for other in replicas.members.values()):
+            # Its siblings serve: out of routing at once, and the request goes to one of them.
+            replicas.lost(actor)
+            log.warning("deployment %s: replica %s lost its engine connection; its requests go to the others",
+                        actor.deployment, actor.name)
+            return True
+        return actor.spec.on_host_loss == "move" and await self.hosts.confirm_lost(upstream.host)
 
     def stats(self) -> dict[str, dict[str, float]]:
         return self.metrics.stats()
@@ -635,6 +728,7 @@ class Controller:
     # -- management operations ----------------------------------------------------------------------
 
     def get(self, name: str) -> DeploymentActor:
+        """A deployment (its replica 1) or one replica by its own name (``chat@2``)."""
         actor = self.actors.get(name)
         if actor is None:
             raise NotFound(f"no deployment named {name!r}", code="deployment_not_found")
@@ -647,64 +741,140 @@ class Controller:
         self.check_park_tier(spec)  # and a park tier its engine or host cannot deliver
         self.check_cores(spec)  # and more cores than its hosts have
         revision, new = self.store.put_deployment(spec)
-        actor = self.actors.get(spec.name)
-        if actor is None:
-            actor = self.actors[spec.name] = DeploymentActor(self, revision)
+        replicas = self.replica_sets.get(spec.name)
+        if replicas is None:
+            self._add_replicas(revision)
+            replicas = self.replica_sets[spec.name]
             progress(f"recorded revision {revision.revision}")
         elif new:
-            progress(f"revision {revision.revision} replaces {actor.revision.revision}")
-            was_running = actor.state in RUNNING or (actor.state == DeploymentState.PARKED and actor.parked_in_place)
-            if was_running:
-                await actor.submit(Command.STOP)
-            actor.revision = revision
-            actor.capabilities = spec_capabilities(self, spec)
-            if was_running:
-                activate = True
+            progress(f"revision {revision.revision} replaces {replicas.primary.revision.revision}")
+            activate = await self._roll_out(replicas, revision, progress) or activate
         else:
             progress(f"revision {revision.revision} is unchanged")
+        actor = replicas.primary
         self._tell_listeners(actor)  # a new deployment or revision, before any state change
         if activate:
-            await actor.submit(Command.WAKE, progress=progress)
+            await self._wake_replicas(replicas, progress)
         return actor
+
+    async def _roll_out(self, replicas: ReplicaSet, revision: Revision, progress: Progress) -> bool:
+        """Move every replica to ``revision``; True when any was serving (the deployment is woken
+        after). With two or more serving, they are replaced one at a time, each out of routing while
+        its requests finish and ready again before the next goes, so the others serve throughout."""
+        for index in sorted(replicas.members):
+            if index > revision.spec.replicas.max:
+                await self._remove_replica(replicas, index)
+        running = [a for a in replicas.ordered()
+                   if a.state in RUNNING or (a.state == DeploymentState.PARKED and a.parked_in_place)]
+        rolling = len(running) >= 2
+        for actor in replicas.ordered():
+            if actor not in running:
+                self._set_revision(actor, revision)
+        for actor in running:
+            if rolling:
+                progress(f"replacing replica {actor.name}")
+                replicas.draining.add(actor.name)
+            try:
+                # The revision first: a wake its waiting requests queue behind the stop starts the new one.
+                self._set_revision(actor, revision)
+                await actor.submit(Command.STOP)
+                if rolling:
+                    await actor.submit(Command.WAKE, progress=progress)
+            finally:
+                replicas.draining.discard(actor.name)
+        self._add_replicas(revision)
+        return bool(running)
+
+    def _set_revision(self, actor: DeploymentActor, revision: Revision) -> None:
+        actor.revision = revision
+        actor.capabilities = spec_capabilities(self, revision.spec)
+
+    async def _remove_replica(self, replicas: ReplicaSet, index: int) -> None:
+        """A replica the new revision no longer has: stopped, its records gone."""
+        actor = replicas.members[index]
+        await actor.submit(Command.DELETE)
+        del replicas.members[index]
+        self._forget(actor)
+
+    def _forget(self, actor: DeploymentActor) -> None:
+        self.actors.pop(actor.name, None)
+        self.store.remove_runtime(actor.name)
+        self.store.remove_park_record(actor.name)
+        self.memory.forget(actor.name)
+
+    async def _wake_replicas(self, replicas: ReplicaSet, progress: Progress) -> None:
+        """Wake a deployment: ``replicas.min`` of its replicas (at least one), together."""
+        replicas.held.clear()
+        first = replicas.to_wake()
+        others = [a for a in replicas.ordered() if a is not first][:max(replicas.spec.replicas.min, 1) - 1]
+        await asyncio.gather(first.submit(Command.WAKE, progress=progress),
+                             *(a.submit(Command.WAKE) for a in others))
+
+    def _targets(self, name: str) -> tuple[ReplicaSet, list[DeploymentActor]]:
+        """What a command for ``name`` acts on: every replica of a deployment, or one replica."""
+        replicas = self.replicas_of(name)
+        return replicas, (replicas.ordered() if name == replicas.deployment else [self.actors[name]])
 
     async def park(self, name: str) -> DeploymentActor:
-        actor = self.get(name)
-        await actor.submit(Command.PARK, reason="parked by request")
-        return actor
+        replicas, targets = self._targets(name)
+        await asyncio.gather(*(a.submit(Command.PARK, reason="parked by request") for a in targets
+                               if len(targets) == 1 or a.state in RUNNING))
+        return self.actors[name]
 
-    async def wake(self, name: str) -> DeploymentActor:
-        actor = self.get(name)
-        await actor.submit(Command.WAKE)
-        return actor
+    async def wake(self, name: str, progress: Progress = no_progress) -> DeploymentActor:
+        replicas, targets = self._targets(name)
+        if len(targets) > 1:
+            await self._wake_replicas(replicas, progress)
+        else:
+            replicas.held.discard(name)
+            await targets[0].submit(Command.WAKE, progress=progress)
+        return self.actors[name]
 
     async def stop(self, name: str) -> DeploymentActor:
-        actor = self.get(name)
-        await actor.submit(Command.STOP)
-        self.store.set_desired(name, "stopped")
-        return actor
+        replicas, targets = self._targets(name)
+        if name != replicas.deployment:
+            replicas.held.add(name)  # out of routing and scaling until woken by name
+        await asyncio.gather(*(a.submit(Command.STOP) for a in targets))
+        if name == replicas.deployment:
+            self.store.set_desired(name, "stopped")
+        return self.actors[name]
+
+    async def drain(self, name: str) -> DeploymentActor:
+        """Take one replica out of routing, let its requests finish, and park it; it stays out
+        (scaling included) until woken by name. A deployment's own name drains it as a park does."""
+        replicas, targets = self._targets(name)
+        if name != replicas.deployment:
+            replicas.held.add(name)
+        await asyncio.gather(*(a.submit(Command.PARK, reason="drained by request") for a in targets
+                               if a.state in RUNNING))
+        return self.actors[name]
 
     async def delete(self, name: str) -> None:
-        actor = self.get(name)
-        if actor.requests.serving_clients:  # (the proof after a wake is drained by the delete's stop)
-            raise Conflict(f"deployment {name!r} has requests in flight; stop it first", code="deployment_busy")
-        await actor.submit(Command.DELETE)
-        self.actors.pop(name, None)
+        replicas = self.replicas_of(name)
+        if name != replicas.deployment:
+            raise Conflict(f"{name!r} is a replica of deployment {replicas.deployment!r}: lower its replicas "
+                           "to remove it, or stop it", code="replica_not_deletable")
+        for actor in replicas.ordered():
+            if actor.requests.serving_clients:  # (the proof after a wake is drained by the delete's stop)
+                raise Conflict(f"deployment {name!r} has requests in flight; stop it first", code="deployment_busy")
+        await asyncio.gather(*(a.submit(Command.DELETE) for a in replicas.ordered()))
+        del self.replica_sets[name]
+        for actor in replicas.ordered():
+            self._forget(actor)
         self.store.delete_deployment(name)
-        self.store.remove_park_record(name)
-        self.memory.forget(name)
-        self._tell_listeners(actor)
+        self._tell_listeners(replicas.primary)
 
     async def inspect(self, name: str) -> dict:
         """Everything known about one deployment: its state, manifest, revisions, last launch
         record, memory plan and the host settings that apply to it."""
         info = await self.describe(name)
         actor = self.get(name)
-        record = self.store.get_deployment(name)
+        record = self.store.get_deployment(actor.deployment)
         runtime = self.store.get_runtime(name)
         info["desired"] = record.desired if record else None
         info["spec"] = actor.spec.model_dump(mode="json")
         info["revisions"] = [{"revision": r.revision, "spec_hash": r.spec_hash, "model_commit": r.model_commit,
-                              "created_at": r.created_at} for r in self.store.revisions(name)]
+                              "created_at": r.created_at} for r in self.store.revisions(actor.deployment)]
         info["runtime"] = dataclasses.asdict(runtime) if runtime else None
         info["idle_park_after"] = self.idle_park_after(actor)
         info["gpus"] = list(self.gpus_for(actor)) if actor.spec.nodes == 1 else None
@@ -716,6 +886,13 @@ class Controller:
     async def describe(self, name: str) -> dict:
         actor = self.get(name)
         info = actor.describe()
+        replicas = self.replica_sets.get(name)
+        if replicas is not None and replicas.replicated:
+            # A deployment's own status lists each of its replicas (`capyctl status`, one line each).
+            info["replicas"] = [{"name": a.name, "state": a.state, "reason": a.reason, "unit": a.unit,
+                                 "host": a.host, "revision": a.revision.revision, "in_flight": a.in_flight,
+                                 "waiting": a.waiting, "routable": replicas.routable(a),
+                                 "held": a.name in replicas.held} for a in replicas.ordered()]
         since = self.turns.waiting().get(name)
         info["waiting_for_room"] = None if since is None else {
             "seconds": round(self.turns.clock() - since, 3), "ahead": self.turns.ahead_of(name)}

@@ -26,6 +26,8 @@ class DeploymentMetrics:
         self._usage_view = usage_view  # makes the UsageView (_usage.py), at the first scrape
         self._usage: Any = None
         self._evictions: dict[str, int] = {}  # parks (or stops) to make room, per victim
+        # Replicas woken or parked by scaling (_replicas.py), per replica and direction (up, min, down).
+        self._scaled: dict[tuple[str, str], int] = {}
         self._wake_started: dict[str, float] = {}
         self._wake_durations: dict[str, DurationCounts] = {}
         # (deployment, "wake" | "park" | "swap", phase) -> its durations (controller/_timeline.py)
@@ -34,6 +36,10 @@ class DeploymentMetrics:
     def evicted(self, name: str) -> None:
         """Deployment ``name`` was parked (or stopped) to make room for another."""
         self._evictions[name] = self._evictions.get(name, 0) + 1
+
+    def scaled(self, name: str, direction: str) -> None:
+        """Replica ``name`` was added under load ("up"), to keep min ("min"), or parked ("down")."""
+        self._scaled[(name, direction)] = self._scaled.get((name, direction), 0) + 1
 
     def state_changed(self, actor: Any) -> None:
         """Times each wake, from its start to READY."""
@@ -63,7 +69,10 @@ class DeploymentMetrics:
     def stats(self) -> dict[str, dict[str, float]]:
         return {a.name: {"queue_depth": a.waiting, "in_flight": a.in_flight, "wakes": a.wakes, "parks": a.parks,
                          "evictions": self._evictions.get(a.name, 0),
-                         "ready": 1.0 if a.state == DeploymentState.READY else 0.0, **park_stats(a.park_record)}
+                         "ready": 1.0 if a.state == DeploymentState.READY else 0.0,
+                         "scaled_up": self._scaled.get((a.name, "up"), 0),
+                         "scaled_min": self._scaled.get((a.name, "min"), 0),
+                         "scaled_down": self._scaled.get((a.name, "down"), 0), **park_stats(a.park_record)}
                 for a in self._actors().values()}
 
     def wake_durations(self) -> dict[str, DurationCounts]:

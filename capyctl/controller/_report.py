@@ -42,5 +42,8 @@ def describe(actor: Any) -> dict:
         "parsers": parsers(actor),
         # Members (units) serving against those the deployment has (`nodes`): ready "1/1", "0/2".
         "members": {"ready": spec.nodes if state == DeploymentState.READY else 0, "desired": spec.nodes},
+        # Which replica of which deployment it is (manifest `replicas`; index 1 is the deployment's own name).
+        "replica": {"deployment": actor.deployment, "index": actor.replica, "min": spec.replicas.min,
+                    "max": spec.replicas.max},
         "journal": actor.journal if state == DeploymentState.FAILED else [],
     }

@@ -88,6 +88,7 @@ class DeploymentServices(Protocol):
     def save_park_record(self, name: str, record: dict) -> None: ...
     async def retain_after_park(self, actor: Any) -> dict[str, int]: ...  # measured, kept charged
     def on_state_change(self, actor: Any) -> None: ...
+    def replica_names(self, deployment: str) -> list[str]: ...  # its replicas' names, replica 1 first
     def timeline_recorded(self, name: str, record: dict) -> None: ...  # a wake's or park's phases (_timeline.py)
 
 

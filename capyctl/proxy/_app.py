@@ -41,6 +41,7 @@ from ._intake import (
     too_large,
 )
 from ._keys import KeyGrant, KeyVerifier
+from ._prompt_prefix import routing_prompt
 from ._relay import EngineMoved, WaitProgress, forward
 from ._routes import (
     FORM_ROUTES,
@@ -279,7 +280,9 @@ async def _answer_json(exchange: Exchange, raw: bytes, body: dict[str, Any], mod
                        entry: ModelEntry | None, *, resend: bool) -> None:
     path = exchange.path
     needed = JSON_ROUTES[path]
-    lease = admitted_now(exchange, model, needed, path, entry)
+    # A model with replicas is routed by the prompt's prefix too (controller/_replicas.py).
+    prompt = routing_prompt(path, body) if entry is not None and entry.replicas > 1 else None
+    lease = admitted_now(exchange, model, needed, path, entry, prompt)
     if lease is not None:  # ready and nothing queued: the common case
         upstream, release = lease
         try:
@@ -289,11 +292,11 @@ async def _answer_json(exchange: Exchange, raw: bytes, body: dict[str, Any], mod
         return
     progress = _wait_progress(exchange, body)
     if progress is None:
-        async with admitted(exchange, model, needed, path, entry) as upstream:
+        async with admitted(exchange, model, needed, path, entry, prompt=prompt) as upstream:
             await forward(exchange, upstream, path, payload_for(upstream, raw, body, model), resend=resend)
         return
     try:
-        async with admitted(exchange, model, needed, path, entry, progress) as upstream:
+        async with admitted(exchange, model, needed, path, entry, progress, prompt) as upstream:
             committed = await progress.stop()
             # (Once committed, not sent again: the comments committed this answer, and a resend's
             # wait would need comments of its own.)

@@ -261,14 +261,18 @@ def model_entry(exchange: Exchange, grant: KeyGrant | None, model: str) -> Model
 
 
 def admitted_now(exchange: Exchange, model: str, needed: str, route: str,
-                 entry: ModelEntry | None) -> tuple[Upstream, Callable[[], None]] | None:
+                 entry: ModelEntry | None, prompt: str | None = None) -> tuple[Upstream, Callable[[], None]] | None:
     """What :func:`admitted` does when the Router can admit without waiting (Router.try_acquire):
     the Upstream and the call that releases it, once, when the answer is over; None when the
-    request must wait (or be refused) in :func:`admitted`."""
+    request must wait (or be refused) in :func:`admitted`. ``prompt``: the request's prompt text,
+    for a model with replicas (Router.acquire)."""
     if entry is not None and entry.capabilities and needed not in entry.capabilities:
         raise route_not_served(entry, model, route)
     try_acquire = getattr(exchange.state.router, "try_acquire", None)  # optional (Router)
-    lease = try_acquire(model) if try_acquire is not None else None
+    if try_acquire is None:
+        lease = None
+    else:
+        lease = try_acquire(model) if prompt is None else try_acquire(model, prompt=prompt)
     if lease is None:
         return None
     upstream, release = lease
@@ -281,7 +285,8 @@ def admitted_now(exchange: Exchange, model: str, needed: str, route: str,
 
 @contextlib.asynccontextmanager
 async def admitted(exchange: Exchange, model: str, needed: str, route: str, entry: ModelEntry | None,
-                   progress: Callable[[str], None] | None = None) -> AsyncIterator[Upstream]:
+                   progress: Callable[[str], None] | None = None,
+                   prompt: str | None = None) -> AsyncIterator[Upstream]:
     """Admission for one request to ``model`` on a route that needs capability ``needed``.
 
     An engine known (from its adapter, before any launch) to lack the route is refused
@@ -291,9 +296,13 @@ async def admitted(exchange: Exchange, model: str, needed: str, route: str, entr
     if entry is not None and entry.capabilities and needed not in entry.capabilities:
         raise route_not_served(entry, model, route)
     router = exchange.state.router
+    given: dict[str, Any] = {}
+    if progress is not None:
+        given["progress"] = progress
+    if prompt is not None:
+        given["prompt"] = prompt
     try:
-        async with (router.acquire(model) if progress is None
-                    else router.acquire(model, progress=progress)) as upstream:
+        async with router.acquire(model, **given) as upstream:
             exchange.deployment = upstream.deployment
             if needed not in upstream.capabilities:
                 raise route_not_served(upstream, model, route)

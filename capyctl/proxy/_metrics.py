@@ -57,6 +57,13 @@ class _RouterCollector(Collector):
             ("capyctl_parks", "parks", CounterMetricFamily, "Parks of a deployment (idle, asked, or evicted)."),
             ("capyctl_evictions", "evictions", CounterMetricFamily,
              "Parks or stops of a deployment to make room for another one."),
+            # Replica scaling (manifest `replicas`); each decision's reason is in the daemon's journal.
+            ("capyctl_replica_scaled_up", "scaled_up", CounterMetricFamily,
+             "Times this replica was woken because the load per ready replica passed scale_up_load."),
+            ("capyctl_replica_scaled_min", "scaled_min", CounterMetricFamily,
+             "Times this replica was woken to keep its deployment's replicas.min serving."),
+            ("capyctl_replica_scaled_down", "scaled_down", CounterMetricFamily,
+             "Times this replica was parked after scale_down_after with no request, beyond replicas.min."),
             # The park record (capyctl/controller/_parking.py park_stats).
             ("capyctl_park_last_wake_seconds", "park_wake_seconds", GaugeMetricFamily,
              "Seconds the deployment's latest wake from a park took (0: none measured)."),

@@ -25,6 +25,9 @@ class ModelEntry:
     # What its engine serves, as Upstream.capabilities, once known (from its last launch); empty
     # when not known yet. Lets the proxy refuse a route the engine lacks without waking it.
     capabilities: frozenset[str] = frozenset()
+    # Engines serving it (manifest `replicas`): with more than one, the proxy hands the Router the
+    # request's prompt (acquire's ``prompt``) so it can send it where its prefix was served.
+    replicas: int = 1
 
 
 @dataclass(frozen=True)

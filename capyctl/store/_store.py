@@ -266,6 +266,11 @@ class Store:
                        "model_path, updated_at) VALUES (?,?,?,?,?,?,?,?)",
                        (deployment, state, reason, host, launch_id, port, model_path, time.time()))
 
+    def remove_runtime(self, deployment: str) -> None:
+        """Forget what ran for ``deployment`` (a replica the deployment no longer has)."""
+        with self._tx() as db:
+            db.execute("DELETE FROM runtime WHERE deployment=?", (deployment,))
+
     def get_runtime(self, deployment: str) -> Runtime | None:
         rows = self._rows("SELECT * FROM runtime WHERE deployment=?", deployment)
         return Runtime(**dict(rows[0])) if rows else None

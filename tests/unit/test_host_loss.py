@@ -49,7 +49,7 @@ async def controller(tmp_path: Path):
 def _serving_on_b(ctl: Controller, on_host_loss: str) -> DeploymentActor:
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b", "local"],
                           on_host_loss=on_host_loss)
-    actor = ctl.actors["m"] = DeploymentActor(ctl, ctl.store.put_deployment(spec)[0])
+    actor = ctl.add_deployment(ctl.store.put_deployment(spec)[0])
     actor.state, actor.host, actor.port, actor.key, actor.launch_id = \
         DeploymentState.READY, "b", 40123, "launch-key", "launch-on-b"
     return actor
@@ -155,7 +155,7 @@ async def test_a_moved_deployment_still_parked_is_not_adopted_back_from_its_old_
 async def test_a_group_never_moves(controller: Controller) -> None:
     spec = DeploymentSpec(name="g", engine="custom-x", model={"path": "/models/m"}, hosts=["b", "local"], nodes=2,
                           tensor_parallel=2)
-    actor = controller.actors["g"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
+    actor = controller.add_deployment(controller.store.put_deployment(spec)[0])
     actor.state, actor.host = DeploymentState.READY, "b"
     actor.host_lost("b")
     assert not actor.has_pending_commands
@@ -210,7 +210,7 @@ async def test_nothing_is_placed_on_a_host_while_its_units_are_reconciled(contro
     # its reconcile is over; its bus is usable throughout.
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b", "local"],
                           on_host_loss="move")
-    actor = controller.actors["m"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
+    actor = controller.add_deployment(controller.store.put_deployment(spec)[0])
     seen = []
 
     class Reconciled(HostSystemd):

@@ -82,13 +82,12 @@ async def test_try_acquire_admits_at_once_only_what_acquire_would_admit_without_
     # The proxy's common case (Router.try_acquire): a ready deployment with nothing queued and its
     # hosts usable is admitted at once; anything else answers None, marks nothing, and is left to
     # acquire(), which waits, wakes or refuses.
-    from capyctl.controller import DeploymentActor
     from capyctl.controller import DeploymentState
     READY = DeploymentState.READY
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=ONLINE)
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"],
                           aliases=["m-alias"])
-    actor = controller.actors["m"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
+    actor = controller.add_deployment(controller.store.put_deployment(spec)[0])
     assert controller.try_acquire("m") is None and actor.in_flight == 0  # stopped: acquire() wakes it
     assert controller.try_acquire("nowhere") is None  # acquire() answers model_not_found
     actor.state, actor.port, actor.key = READY, 40123, "launch-key"
@@ -121,14 +120,13 @@ async def test_a_request_reads_nothing_from_the_store_once_its_launch_is_known(
         controller: Controller, monkeypatch) -> None:
     # The proxy asks for the Upstream on every request; the engine's kind is a store read (a
     # SELECT and a validated EngineSpec). It is read once a launch and address, not per request.
-    from capyctl.controller import DeploymentActor
     from capyctl.controller import DeploymentState
     READY = DeploymentState.READY
     from capyctl.spec import EngineSpec
     controller.store.put_engine(EngineSpec.model_validate(
         {"kind": "engine", "name": "llama", "type": "llama.cpp", "path": "/opt/llama-server"}))
     spec = DeploymentSpec(name="m", engine="llama", model={"path": "/models/m.gguf"})
-    actor = controller.actors["m"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
+    actor = controller.add_deployment(controller.store.put_deployment(spec)[0])
     actor.state, actor.port, actor.key, actor.launch_id = READY, 40123, "launch-key", "l1"
     reads: list[str] = []
     get_engine = controller.store.get_engine
@@ -154,8 +152,7 @@ async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(cont
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=OFFLINE, reason="unreachable")
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"])
     revision, _ = controller.store.put_deployment(spec)
-    from capyctl.controller import DeploymentActor
-    actor = controller.actors["m"] = DeploymentActor(controller, revision)
+    actor = controller.add_deployment(revision)
     with pytest.raises(CapyError) as err:
         await actor.requests.admit()
     assert err.value.code == "host_offline" and "'m'" in err.value.message and "'b'" in err.value.message
@@ -169,12 +166,12 @@ async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(cont
 
     # No hosts in the manifest: any online host; an unknown host in it is an error of its own.
     free = DeploymentSpec(name="f", engine="custom-x", model={"path": "/models/m.gguf"})
-    actor_f = controller.actors["f"] = DeploymentActor(controller, controller.store.put_deployment(free)[0])
+    actor_f = controller.add_deployment(controller.store.put_deployment(free)[0])
     assert set(controller.cordons.allowed_hosts(actor_f)) == {LOCAL, "b"}
     controller.hosts.entries["b"].state = OFFLINE
     assert controller.cordons.allowed_hosts(actor_f) == (LOCAL,)
     typo = DeploymentSpec(name="t", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["bb"])
-    actor_t = controller.actors["t"] = DeploymentActor(controller, controller.store.put_deployment(typo)[0])
+    actor_t = controller.add_deployment(controller.store.put_deployment(typo)[0])
     with pytest.raises(CapyError) as err:
         controller.cordons.allowed_hosts(actor_t)
     assert err.value.code == "host_not_found"
@@ -183,8 +180,7 @@ async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(cont
 async def test_remove_refused_while_a_manifest_names_the_host(controller: Controller) -> None:
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=ONLINE)
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"])
-    from capyctl.controller import DeploymentActor
-    controller.actors["m"] = DeploymentActor(controller, controller.store.put_deployment(spec)[0])
+    controller.add_deployment(controller.store.put_deployment(spec)[0])
     with pytest.raises(CapyError) as err:
         await controller.cordons.remove_host("b")
     assert err.value.code == "host_in_use"

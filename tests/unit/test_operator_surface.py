@@ -179,8 +179,7 @@ async def cli(socket_path: str, *argv: str) -> int:
 def _deploy(controller: Controller, name: str, **fields) -> None:
     spec = DeploymentSpec.model_validate({"name": name, "engine": "llama", "model": {"path": "/m.gguf"}, **fields})
     controller.store.put_deployment(spec)
-    from capyctl.controller._actor import DeploymentActor
-    controller.actors[name] = DeploymentActor(controller, controller.store.current_revision(name))
+    controller.add_deployment(controller.store.current_revision(name))
 
 
 async def test_list_deployments_shows_ready_as_ready_over_desired(api, capsys) -> None:

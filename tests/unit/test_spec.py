@@ -66,7 +66,13 @@ def test_engine_manifest():
     # 1. missing required field
     ("name: a\nengine: llama.cpp\n", "<m>:1: model: is required"),
     # 2. unknown field, with its own line
-    (GOOD_MINIMAL + "replicas: 3\n", "<m>:5: replicas: is not a known field"),
+    (GOOD_MINIMAL + "replica: 3\n", "<m>:5: replica: is not a known field"),
+    # 2b. replicas: max below min, a fixed 0, and a group's replicas, each on its own line
+    (GOOD_MINIMAL + "replicas:\n  min: 3\n  max: 2\n",
+     "<m>:5: replicas: replicas.max is 2 but replicas.min is 3: max must be at least min"),
+    (GOOD_MINIMAL + "replicas: 0\n", "<m>:5: replicas: replicas is 0: a fixed number of replicas is 1 to 64"),
+    ("name: g\nengine: vllm\nmodel: {path: /m}\nnodes: 2\ntensor_parallel: 2\nhosts: [a, b]\nreplicas: 2\n",
+     "<m>:7: replicas: replicas.max is 2 but nodes is 2: a multi-node deployment is one engine spanning"),
     # 3. bad name (unit-name safe)
     (GOOD_MINIMAL.replace("smollm2", "Smol LM"), "<m>:1: name: String should match pattern"),
     # 4. relative model path
