@@ -18,7 +18,7 @@ import aiohttp
 
 from ..config import DaemonConfig, deployment_from_unit, replica_of
 from ..errors import CapyError, Conflict, NotFound
-from ..proxy.connector import EngineConnector
+from ..proxy.connector import REPLICA_IN_LABEL, EngineConnector
 from ..proxy.router import DurationCounts, MemoryGauge, ModelEntry, Upstream
 from ..scheduler import NoRoom
 from ..spec import DeploymentSpec, EngineSpec
@@ -176,10 +176,13 @@ class Controller:
     def _engine_socket(self, label: str) -> str | None:
         """The unix socket of the engine a connection label (``<launch>.<deployment>.engine``) names."""
         launch, _, rest = label.partition(".")
-        actor = self.actors.get(rest.rpartition(".")[0])
-        if actor is None or actor.launch_id != launch:
-            return None
-        return actor.engine_address()[1]
+        name = rest.rpartition(".")[0]
+        base, mark, index = name.rpartition(REPLICA_IN_LABEL)
+        for candidate in (name, f"{base}@{index}" if mark else None):  # a replica's label (socket_base_url)
+            actor = self.actors.get(candidate) if candidate else None
+            if actor is not None and actor.launch_id == launch:
+                return actor.engine_address()[1]
+        return None
 
     def engine_for(self, spec: DeploymentSpec) -> EngineSpec:
         registered = self.store.get_engine(spec.engine)
@@ -772,6 +775,8 @@ class Controller:
                 self._set_revision(actor, revision)
         for actor in running:
             if rolling:
+                log.info("deployment %s: replacing replica %s with revision %d while the others serve",
+                         replicas.deployment, actor.name, revision.revision)
                 progress(f"replacing replica {actor.name}")
                 replicas.draining.add(actor.name)
             try:

@@ -31,9 +31,13 @@ ENGINE_KEEPALIVE_S = 4.0
 SocketResolver = Callable[[str], "str | None"]
 
 
+# A replica's name (``chat@2``) in a label: '@' would make the URL's host a user name.
+REPLICA_IN_LABEL = "-at-"
+
+
 def socket_base_url(deployment: str, launch_id: str) -> str:
     """The base URL of an engine served on a unix socket: a label, never resolved by DNS."""
-    return f"http://{launch_id}.{deployment}{LABEL_SUFFIX}"
+    return f"http://{launch_id}.{deployment.replace('@', REPLICA_IN_LABEL)}{LABEL_SUFFIX}"
 
 
 def label_of(base_url: str) -> str:
