@@ -600,7 +600,8 @@ class Controller:
                 if decision.direction == "down":
                     actor.submit(Command.PARK, evicting=True, idle=True, reason=f"scaled down: {decision.reason}")
                 else:
-                    actor.submit(Command.WAKE, room_now_only=decision.direction == "up")
+                    # Beyond the replica requests wake, none makes a busy deployment yield its room.
+                    actor.submit(Command.WAKE, room_now_only=True)
 
     # -- Router (for the proxy) ---------------------------------------------------------------------
 
@@ -635,7 +636,8 @@ class Controller:
                           created=int(actor.revision.created_at), capabilities=actor.capabilities,
                           replicas=len(replicas.members))
 
-    def try_acquire(self, model: str, prompt: str | None = None) -> tuple[Upstream, Callable[[], None]] | None:
+    def try_acquire(self, model: str, prompt: str | None = None,
+                    replica: str | None = None) -> tuple[Upstream, Callable[[], None]] | None:
         try:
             replicas = self._lookup(model)
         except NotFound:
@@ -644,7 +646,7 @@ class Controller:
             actor = replicas.primary
             return (actor.upstream(), actor.requests.release) if actor.requests.admit_now() else None
         hashes = prefix_hashes(prompt)
-        actor = replicas.pick_ready(hashes)
+        actor = replicas.member(replica) or replicas.pick_ready(hashes)
         if actor is None or not actor.requests.admit_now():
             return None
         replicas.served(hashes, actor)
@@ -652,12 +654,12 @@ class Controller:
 
     @asynccontextmanager
     async def acquire(self, model: str, progress: Callable[[str], None] | None = None,
-                      prompt: str | None = None) -> AsyncIterator[Upstream]:
+                      prompt: str | None = None, replica: str | None = None) -> AsyncIterator[Upstream]:
         replicas = self._lookup(model)
         hashes: tuple[int, ...] = ()
         if replicas.replicated:
             hashes = prefix_hashes(prompt)
-            actor = replicas.pick_ready(hashes) or replicas.to_wake()
+            actor = replicas.member(replica) or replicas.pick_ready(hashes) or replicas.to_wake()
         else:
             actor = replicas.primary
         await actor.requests.admit(progress)

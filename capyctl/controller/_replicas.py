@@ -37,6 +37,10 @@ MAX_PREFIX_BLOCKS = 512
 # Blocks remembered per deployment, least recently used dropped first.
 PREFIX_BLOCKS_REMEMBERED = 32768
 
+# A replica a decision woke is not decided on again for this long: a wake that found no room
+# (scaling never makes busy deployments yield theirs) is retried, not repeated every second.
+DECISION_RETRY_S = 10.0
+
 _COMING = frozenset({DeploymentState.STARTING, DeploymentState.WAKING})
 
 
@@ -108,6 +112,7 @@ class Replica(Protocol):
     def busy(self) -> bool: ...
     @property
     def last_used(self) -> float: ...
+    ready_since: float  # wall-clock time it last became ready
     @property
     def has_pending_commands(self) -> bool: ...
     @property
@@ -142,6 +147,7 @@ class ReplicaSet:
         # Replaced by a rolling revision: out of routing while its requests finish.
         self.draining: set[str] = set()
         self._over_since: float | None = None
+        self._decided_at: dict[str, float] = {}  # replica -> when a decision last woke it
         self.decisions: dict[tuple[str, str], int] = {}  # (direction, replica) -> count, for /metrics
 
     # -- membership ---------------------------------------------------------------------------
@@ -197,6 +203,16 @@ class ReplicaSet:
         slack = self.spec.replicas.affinity_slack
         return holder if load(holder) - load(least) <= slack else least
 
+    def member(self, name: str | None) -> Any | None:
+        """The replica named ``name`` when it is one of these (a request pinned to the engine that
+        keeps its stored response); None otherwise."""
+        if name is None:
+            return None
+        for r in self.members.values():
+            if r.name == name:
+                return r
+        return None
+
     def to_wake(self) -> Any:
         """The replica a request waits for when none is ready: one already starting, else the
         first that may start (not held, not failed within its back-off), else replica 1."""
@@ -238,10 +254,12 @@ class ReplicaSet:
             return []
         out: list[ScaleDecision] = []
         startable = [r for r in members if r not in up and not r.has_pending_commands
-                     and (r.state != DeploymentState.FAILED or r.backoff_left() <= 0)]
+                     and (r.state != DeploymentState.FAILED or r.backoff_left() <= 0)
+                     and now - self._decided_at.get(r.name, -DECISION_RETRY_S) >= DECISION_RETRY_S]
         # Keep min while it serves (a replica that failed comes back after its back-off).
         if len(up) < spec.min and startable:
             for r in startable[:spec.min - len(up)]:
+                self._decided_at[r.name] = now
                 out.append(ScaleDecision(r.name, "min", f"{len(up)} of min {spec.min} replicas serving"))
             return out
         ready = [r for r in up if r.state == DeploymentState.READY]
@@ -252,6 +270,7 @@ class ReplicaSet:
                 self._over_since = now
             elif now - self._over_since >= spec.scale_up_after:
                 self._over_since = None
+                self._decided_at[startable[0].name] = now
                 return [ScaleDecision(startable[0].name, "up",
                                       f"{per_ready:.1f} requests per ready replica for "
                                       f"{spec.scale_up_after:.0f}s (scale_up_load {spec.scale_up_load:g})")]
@@ -261,7 +280,7 @@ class ReplicaSet:
         if len(ready) > spec.min:
             wall = time.time()
             for r in reversed(ready):
-                idle = wall - (r.last_used or 0)
+                idle = wall - max(r.last_used or 0.0, r.ready_since)  # never used: idle since it is ready
                 if not r.busy and not r.has_pending_commands and idle >= spec.scale_down_after:
                     return [ScaleDecision(r.name, "down", f"no request for {idle:.0f}s "
                                           f"(scale_down_after {spec.scale_down_after:.0f}s), beyond min {spec.min}")]

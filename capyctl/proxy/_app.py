@@ -280,9 +280,14 @@ async def _answer_json(exchange: Exchange, raw: bytes, body: dict[str, Any], mod
                        entry: ModelEntry | None, *, resend: bool) -> None:
     path = exchange.path
     needed = JSON_ROUTES[path]
-    # A model with replicas is routed by the prompt's prefix too (controller/_replicas.py).
-    prompt = routing_prompt(path, body) if entry is not None and entry.replicas > 1 else None
-    lease = admitted_now(exchange, model, needed, path, entry, prompt)
+    # A model with replicas is routed by the prompt's prefix too (controller/_replicas.py), and a
+    # Responses request that continues a stored response goes to the engine that keeps it.
+    prompt = replica = None
+    if entry is not None and entry.replicas > 1:
+        prompt = routing_prompt(path, body)
+        if path == "/v1/responses":
+            replica = exchange.state.responses.engine(body.get("previous_response_id"))
+    lease = admitted_now(exchange, model, needed, path, entry, prompt, replica)
     if lease is not None:  # ready and nothing queued: the common case
         upstream, release = lease
         try:
@@ -292,11 +297,11 @@ async def _answer_json(exchange: Exchange, raw: bytes, body: dict[str, Any], mod
         return
     progress = _wait_progress(exchange, body)
     if progress is None:
-        async with admitted(exchange, model, needed, path, entry, prompt=prompt) as upstream:
+        async with admitted(exchange, model, needed, path, entry, prompt=prompt, replica=replica) as upstream:
             await forward(exchange, upstream, path, payload_for(upstream, raw, body, model), resend=resend)
         return
     try:
-        async with admitted(exchange, model, needed, path, entry, progress, prompt) as upstream:
+        async with admitted(exchange, model, needed, path, entry, progress, prompt, replica) as upstream:
             committed = await progress.stop()
             # (Once committed, not sent again: the comments committed this answer, and a resend's
             # wait would need comments of its own.)
@@ -349,8 +354,10 @@ async def _stored_response_route(request: web.Request) -> web.StreamResponse:
                         "not read it.", code="response_not_found", status=404)
     path = f"/v1/responses/{response_id}"
     entry = model_entry(exchange, grant, model)
+    replica = responses.engine(response_id) if entry is not None and entry.replicas > 1 else None
     async with admitted(exchange, model, STORED_RESPONSE_CAPABILITIES[request.method],
-                        f"{request.method} {STORED_RESPONSE_ROUTE}", entry) as upstream:  # wakes a parked owner
+                        f"{request.method} {STORED_RESPONSE_ROUTE}", entry,
+                        replica=replica) as upstream:  # wakes a parked owner
         status = await forward(exchange, upstream, path, b"", method=request.method)
     if request.method == "DELETE" and status < 300:
         responses.forget(response_id)

@@ -29,26 +29,34 @@ RESPONSE_ID = re.compile(r"^[A-Za-z0-9_\-.:]{1,200}$")
 
 
 class ResponseOwners:
-    """Which model name (deployment or alias) created each OpenAI Responses id seen through the proxy.
+    """Which model name (deployment or alias) created each OpenAI Responses id seen through the proxy,
+and which of its engines (its replica's name, Upstream.deployment): the engine keeps the response,
+so reading it or continuing it (previous_response_id) must reach that engine.
 
     Bounded: a proxy serving for months must not grow without end; a forgotten id answers 404
     like an unknown one. Kept in memory only: after a restart earlier ids are unknown.
     """
 
     def __init__(self, limit: int = RESPONSE_OWNERS_MAX) -> None:
-        self._owners: OrderedDict[str, str] = OrderedDict()
+        self._owners: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
         self._limit = limit
 
-    def remember(self, response_id: object, model: str) -> None:
+    def remember(self, response_id: object, model: str, engine: str | None = None) -> None:
         if not isinstance(response_id, str) or not RESPONSE_ID.match(response_id):
             return
-        self._owners[response_id] = model
+        self._owners[response_id] = (model, engine)
         self._owners.move_to_end(response_id)
         while len(self._owners) > self._limit:
             self._owners.popitem(last=False)
 
     def owner(self, response_id: str) -> str | None:
-        return self._owners.get(response_id)
+        known = self._owners.get(response_id)
+        return known[0] if known is not None else None
+
+    def engine(self, response_id: object) -> str | None:
+        """The replica whose engine created ``response_id`` (None: unknown)."""
+        known = self._owners.get(response_id) if isinstance(response_id, str) else None
+        return known[1] if known is not None else None
 
     def forget(self, response_id: str) -> None:
         self._owners.pop(response_id, None)

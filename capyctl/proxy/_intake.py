@@ -261,18 +261,21 @@ def model_entry(exchange: Exchange, grant: KeyGrant | None, model: str) -> Model
 
 
 def admitted_now(exchange: Exchange, model: str, needed: str, route: str,
-                 entry: ModelEntry | None, prompt: str | None = None) -> tuple[Upstream, Callable[[], None]] | None:
+                 entry: ModelEntry | None, prompt: str | None = None,
+                 replica: str | None = None) -> tuple[Upstream, Callable[[], None]] | None:
     """What :func:`admitted` does when the Router can admit without waiting (Router.try_acquire):
     the Upstream and the call that releases it, once, when the answer is over; None when the
-    request must wait (or be refused) in :func:`admitted`. ``prompt``: the request's prompt text,
-    for a model with replicas (Router.acquire)."""
+    request must wait (or be refused) in :func:`admitted`. ``prompt`` and ``replica``: the
+    request's prompt text and the replica it must reach, for a model with replicas (Router.acquire)."""
     if entry is not None and entry.capabilities and needed not in entry.capabilities:
         raise route_not_served(entry, model, route)
     try_acquire = getattr(exchange.state.router, "try_acquire", None)  # optional (Router)
     if try_acquire is None:
         lease = None
+    elif prompt is None and replica is None:
+        lease = try_acquire(model)
     else:
-        lease = try_acquire(model) if prompt is None else try_acquire(model, prompt=prompt)
+        lease = try_acquire(model, prompt=prompt, replica=replica)
     if lease is None:
         return None
     upstream, release = lease
@@ -286,7 +289,7 @@ def admitted_now(exchange: Exchange, model: str, needed: str, route: str,
 @contextlib.asynccontextmanager
 async def admitted(exchange: Exchange, model: str, needed: str, route: str, entry: ModelEntry | None,
                    progress: Callable[[str], None] | None = None,
-                   prompt: str | None = None) -> AsyncIterator[Upstream]:
+                   prompt: str | None = None, replica: str | None = None) -> AsyncIterator[Upstream]:
     """Admission for one request to ``model`` on a route that needs capability ``needed``.
 
     An engine known (from its adapter, before any launch) to lack the route is refused
@@ -301,6 +304,8 @@ async def admitted(exchange: Exchange, model: str, needed: str, route: str, entr
         given["progress"] = progress
     if prompt is not None:
         given["prompt"] = prompt
+    if replica is not None:
+        given["replica"] = replica
     try:
         async with router.acquire(model, **given) as upstream:
             exchange.deployment = upstream.deployment

@@ -207,7 +207,7 @@ def _remember_response(exchange: Exchange, body: bytes) -> None:
     except (ValueError, UnicodeDecodeError):
         return
     if isinstance(answer, dict) and exchange.responses_model is not None:
-        exchange.state.responses.remember(answer.get("id"), exchange.responses_model)
+        exchange.state.responses.remember(answer.get("id"), exchange.responses_model, exchange.deployment)
         exchange.responses_model = None
 
 
@@ -223,7 +223,7 @@ def _remember_streamed_response(exchange: Exchange, events: bytes) -> None:
             continue
         created = event.get("response") if isinstance(event, dict) else None
         if isinstance(created, dict) and exchange.responses_model is not None:
-            exchange.state.responses.remember(created.get("id"), exchange.responses_model)
+            exchange.state.responses.remember(created.get("id"), exchange.responses_model, exchange.deployment)
             exchange.responses_model = None
             return
 

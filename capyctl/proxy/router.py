@@ -114,6 +114,11 @@ class Router(Protocol):
     def acquire(self, model: str, progress: Callable[[str], None] | None = None) -> AsyncContextManager[Upstream]:
         """Admission for one request to ``model``.
 
+        A Router whose models may have replicas (ModelEntry.replicas > 1) also takes ``prompt``
+        (the request's prompt text, to send it where its prefix was served) and ``replica`` (the
+        replica it must reach: the engine that keeps its stored response); the proxy passes them
+        only for such models, and ``try_acquire`` takes the same two.
+
         Entering waits until the deployment is ready (joining a wake already under way,
         or starting one, making room first, waiting its turn while busy deployments hold
         the room) and marks one request in flight; leaving releases it. Raises
