@@ -626,7 +626,7 @@ def cmd_drain(args) -> int:
         if args.json:
             print_json(d)
         else:
-            print(f"{d['name']}: {d['state']}" + (f"; out of routing until 'capyctl wake {d['name']}'"
+            print(f"{d['name']}: {d['state']}" + (f"; out of routing until 'capyctl wake deployment {d['name']}'"
                                                    if "@" in d["name"] else ""))
         return 0
     r = ApiClient(args.api_socket, timeout=None).request("POST", f"/v1/hosts/{args.name}/drain")
@@ -744,9 +744,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("wake", "wake a parked or stopped deployment now", _action("wake")),
             ("stop", "stop a deployment's unit; it stays recorded and wakes on a request", _action("stop")),
             ("delete", "stop a deployment and forget it", cmd_delete)):
-        p = add(verb, helptext)
+        p = add(verb, helptext, helptext if verb == "delete" else helptext + ".\n\nNAME is a deployment (every "
+                "one of its replicas) or one replica of it, NAME@K (docs/replicas.md).")
         p.add_argument("resource", choices=["deployment"])
-        p.add_argument("name", help="deployment name").completer = _deployment_names
+        p.add_argument("name", help="deployment name, or a replica's (chat@2)").completer = _deployment_names
         _common(p)
         p.set_defaults(func=func)
 
@@ -769,7 +770,7 @@ def build_parser() -> argparse.ArgumentParser:
             "'capyctl uncordon host NAME'. Exit status 1 if a deployment could not be parked.\n\n"
             "drain deployment NAME@K: take replica K of a deployment out of routing, let its requests\n"
             "finish, then park it; its siblings serve meanwhile, and scaling leaves it alone until\n"
-            "'capyctl wake NAME@K'. drain deployment NAME parks every replica the same way.")
+            "'capyctl wake deployment NAME@K'. drain deployment NAME parks every replica the same way.")
     p.add_argument("resource", choices=["host", "deployment"])
     p.add_argument("name", help="host name ('local' is this host), or deployment or replica name (chat@2)")
     _common(p)
