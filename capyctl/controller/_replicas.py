@@ -37,6 +37,12 @@ MAX_PREFIX_BLOCKS = 512
 # Blocks remembered per deployment, least recently used dropped first.
 PREFIX_BLOCKS_REMEMBERED = 32768
 
+# A replica whose engine connection broke stays out of routing this long at most when its launch
+# does not change: a dead engine is reported by systemd within moments and a hung one by the
+# liveness watchdog (timeouts.unresponsive), while a connection broken by anything else (a reset
+# on a healthy engine) must not keep a replica out for good.
+SUSPECT_S = 30.0
+
 # A replica a decision woke is not decided on again for this long: a wake that found no room
 # (scaling never makes busy deployments yield theirs) is retried, not repeated every second.
 DECISION_RETRY_S = 10.0
@@ -140,8 +146,8 @@ class ReplicaSet:
         self.members: dict[int, Any] = {}  # index -> DeploymentActor
         self.prefixes = PrefixIndex()
         # Taken out of routing at once when the proxy lost its connection to it, until its launch
-        # changes (the engine restarted) or its state does: name -> launch id then.
-        self._suspects: dict[str, str | None] = {}
+        # changes (the engine restarted) or SUSPECT_S passed: name -> (launch id then, until when).
+        self._suspects: dict[str, tuple[str | None, float]] = {}
         # Stopped or drained by an operator: out of routing and scaling until woken by name.
         self.held: set[str] = set()
         # Replaced by a rolling revision: out of routing while its requests finish.
@@ -177,12 +183,16 @@ class ReplicaSet:
             return False
         if replica.name in self.held or replica.name in self.draining:
             return False
-        suspect = self._suspects.get(replica.name, False)
-        if suspect is not False:
-            if suspect == replica.launch_id:
-                return False
-            del self._suspects[replica.name]  # a new launch: routable again
+        if replica.name in self._suspects and self._suspected(replica):
+            return False
         return replica.requests.door_open
+
+    def _suspected(self, replica: Replica) -> bool:
+        launch, until = self._suspects.get(replica.name, (None, 0.0))
+        if launch == replica.launch_id and time.monotonic() < until:
+            return True
+        self._suspects.pop(replica.name, None)  # a new launch, or the bound passed: routable again
+        return False
 
     def ready(self) -> list[Any]:
         return [r for r in self.ordered() if self.routable(r)]
@@ -218,7 +228,7 @@ class ReplicaSet:
         first that may start (not held, not failed within its back-off), else replica 1."""
         candidates = [r for r in self.ordered() if r.name not in self.held and r.name not in self.draining]
         # One whose engine connection just broke is tried last: it is about to fail or restart.
-        candidates.sort(key=lambda r: self._suspects.get(r.name, False) == r.launch_id)
+        candidates.sort(key=lambda r: r.name in self._suspects and self._suspected(r))
         for r in candidates:
             if r.state in _COMING:
                 return r
@@ -233,7 +243,7 @@ class ReplicaSet:
 
     def lost(self, replica: Replica) -> None:
         """The proxy's connection to ``replica`` broke: no request goes there until it starts again."""
-        self._suspects[replica.name] = replica.launch_id
+        self._suspects[replica.name] = (replica.launch_id, time.monotonic() + SUSPECT_S)
         self.prefixes.forget(replica.name)
 
     def went_away(self, replica: Replica) -> None:

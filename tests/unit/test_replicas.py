@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from capyctl.config import replica_name, replica_of
 from capyctl.controller._lifecycle import DeploymentState
-from capyctl.controller._replicas import (DECISION_RETRY_S, PREFIX_BLOCK_CHARS, PrefixIndex, ReplicaSet,
+from capyctl.controller import _replicas as replicas_module
+from capyctl.controller._replicas import (DECISION_RETRY_S, PREFIX_BLOCK_CHARS, SUSPECT_S, PrefixIndex, ReplicaSet,
                                           prefix_hashes)
 from capyctl.proxy._prompt_prefix import routing_prompt
 from capyctl.spec import DeploymentSpec
@@ -121,7 +122,7 @@ def test_slack_zero_is_load_alone():
     assert rs.pick_ready(prefix_hashes(conversation(1, 2))) is one
 
 
-def test_a_lost_replica_is_out_of_routing_until_its_next_launch():
+def test_a_lost_replica_is_out_of_routing_until_its_next_launch(monkeypatch):
     rs, (one, two) = replica_set()
     rs.served(prefix_hashes(conversation(1)), two)
     rs.lost(two)
@@ -129,6 +130,12 @@ def test_a_lost_replica_is_out_of_routing_until_its_next_launch():
     assert rs.pick_ready(prefix_hashes(conversation(1, 2))) is one
     assert rs.to_wake() is one  # not the one whose connection just broke
     two.launch_id = "launch-2"
+    assert rs.ready() == [one, two]
+    # A connection broken on an engine that lives on: back in routing once SUSPECT_S passed.
+    rs.lost(two)
+    assert rs.ready() == [one]
+    real = time.monotonic
+    monkeypatch.setattr(replicas_module.time, "monotonic", lambda: real() + SUSPECT_S)
     assert rs.ready() == [one, two]
 
 
