@@ -167,6 +167,22 @@ def test_two_replicas_serve_each_in_its_own_unit(host):
         # A replica's name is not a model: clients ask for the deployment.
         with pytest.raises(openai.NotFoundError):
             c.chat.completions.create(model="pair@2", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        # A daemon restarted adopts both replicas' engines as they run.
+        pids = [main_pid(host, unit) for unit in units]
+        host.kill_daemon()
+        host.start_daemon()
+        assert {n: r["state"] for n, r in replicas(host, "pair").items()} == {"pair": "ready", "pair@2": "ready"}
+        assert [main_pid(host, unit) for unit in units] == pids
+        # One replica drained: out of routing and parked, its sibling serves, scaling leaves it be.
+        host.cli("drain", "deployment", "pair@2")
+        drained = replicas(host, "pair")["pair@2"]
+        assert drained["state"] == "parked" and drained["held"], drained
+        for i in range(3):
+            c.chat.completions.create(model="pair", messages=[{"role": "user", "content": f"Hi {i}"}], max_tokens=2)
+        assert replicas(host, "pair")["pair@2"]["state"] == "parked"
+        host.cli("wake", "deployment", "pair@2")
+        woken = replicas(host, "pair")["pair@2"]
+        assert woken["state"] == "ready" and not woken["held"], woken
     finally:
         host.cli("delete", "deployment", "pair")
     assert "capyctl-pair" not in host.sh("systemctl", "list-units", "--plain", "--no-legend", "capyctl-pair*").stdout
