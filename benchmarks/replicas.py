@@ -21,9 +21,10 @@ on deployments of its own (deleted after it), each runnable alone with ``--parts
               reaches the engine that did not serve its last one and finds there only the system
               prompt and its own turn before last. The baseline runs first, its deployments are
               deleted, then ``chat`` runs (never four engines on the cores at once). Before
-              either, each engine answers one warm-up request of the system prompt, untimed
-              (``chat@2`` addressed by name where the proxy takes a replica's name; else two
-              warm-ups at once through ``chat``, and the JSON says which). Goal: affinity's median
+              either, each engine answers a warm-up request of the system prompt, untimed: rr-a
+              and rr-b one each; ``chat``'s replicas through ``chat`` (a replica's name is no
+              model), 6 at once, so that the last finds replica 1 past ``affinity_slack`` (4) and
+              goes to replica 2 (the JSON says how many each engine answered). Goal: affinity's median
               first token at most 0.5x round robin's; p90 reported beside it.
 ``kill``      ``killed`` with ``replicas: 2``; ``--kill-plain`` (2) clients send non-streamed
               16-token chats and ``--kill-streams`` (2) clients streamed 64-token chats for
@@ -41,12 +42,14 @@ on deployments of its own (deleted after it), each runnable alone with ``--parts
               scale_down_after: 10s}``; ``--scale-clients`` (8) clients send 16-token chats (8 in
               flight or waiting on one replica, past scale_up_load) until ``scaled@2`` has been
               ready 3 s; reported: seconds from the load's start to ``scaled@2`` ready, and from
-              the load's end to ``scaled@2`` parked (the management API read every 0.25 s).
+              the load's end to ``scaled@2`` parked or stopped (the management API read every 0.25 s).
 
 A daemon without replicas fails the part that finds it out, and the run, saying what is missing
 (no ``NAME@2`` or no ``replica`` field in GET /v1/deployments, a manifest refused); the JSON keeps
 every part's figures or its error. Needs root (the sandbox), llama-server (scripts/setup) and the
-SmolLM2 package. Some 5-7 minutes on 2 cores with the defaults.
+SmolLM2 package. On a 2-core machine whose core prefills some 120 tokens a second, the defaults take
+well over 10 minutes (a first turn's 1,300 tokens take 10-30 s there); ``--conversations 4 --turns 4
+--concurrency 2 --kill-seconds 15 --scale-wait 40 --scale-down-wait 30`` some 6 minutes.
 
 Run: .venv/bin/python benchmarks/replicas.py [--parts affinity,kill,rollout,scale] [--json FILE]
 """
@@ -80,6 +83,10 @@ CHAT, KILLED, ROLLED, SCALED = "chat", "killed", "rolled", "scaled"
 SYSTEM_NOTES = 44
 LOAD_PROMPT = "Count slowly from one to one hundred, one number a line."
 POLL_S = 0.25
+# A replica scaled down is parked (or stopped, where its park evicted it from the plan).
+PARKED = ("parked", "stopped")
+AFFINITY_SLACK = 4
+CONTEXT = 8192  # tokens of each engine's KV cache: 4 conversations of 6 turns (~1,800 tokens) at once  # the manifest's replicas.affinity_slack, left at its default
 SCALE = {"min": 1, "max": 2, "scale_up_load": 4, "scale_up_after": "2s", "scale_down_after": "10s"}
 
 
@@ -239,13 +246,17 @@ def scale_times(samples: Sequence[tuple[float, dict[int, str]]], load_start: flo
     """Seconds from the load's start to replica 2 ready (``up_s``), and from the load's end (the last
     request answered) to replica 2 parked (``down_s``); None for what was not seen."""
     ready = first_at(samples, 2, ("ready",), load_start)
-    parked = first_at(samples, 2, ("parked",), load_end) if load_end is not None and ready is not None else None
+    parked = first_at(samples, 2, PARKED, load_end) if load_end is not None and ready is not None else None
     return {"up_s": ready - load_start if ready is not None else None,
             "down_s": parked - load_end if parked is not None and load_end is not None else None}
 
 
-def manifest(name: str, model: str, replicas: Any, cpus: int | None, env: dict[str, str] | None = None) -> str:
-    """A deployment of the bundled model on llama.cpp; ``replicas`` a number, a mapping or None (none)."""
+def manifest(name: str, model: str, replicas: Any, cpus: int | None, env: dict[str, str] | None = None,
+             context: int | None = CONTEXT) -> str:
+    """A deployment of the bundled model on llama.cpp; ``replicas`` a number, a mapping or None (none).
+    ``context``: llama-server's ``-c``, shared by its 4 slots (the daemon's default, 4,096, holds
+    fewer than 4 of the affinity part's conversations at once: the engine then retries its
+    prefill a token at a time, "failed to find free space in the KV cache")."""
     text = f"name: {name}\nengine: llama\nmodel: {{path: {model}}}\n"
     if cpus:
         text += f"resources: {{cpus: {cpus}}}\n"
@@ -253,6 +264,8 @@ def manifest(name: str, model: str, replicas: Any, cpus: int | None, env: dict[s
         text += "replicas: {" + ", ".join(f"{k}: {v}" for k, v in replicas.items()) + "}\n"
     elif replicas is not None:
         text += f"replicas: {replicas}\n"
+    if context:
+        text += f"engine_args: [-c, '{context}']\n"
     if env:
         text += "env: {" + ", ".join(f"{k}: {json.dumps(v)}" for k, v in env.items()) + "}\n"
     return text
@@ -313,6 +326,13 @@ def wait_ready(host: Any, deployment: str, count: int, timeout: float = 180) -> 
                 require_replicas(listing(host), deployment, count)  # says what is missing
             raise RuntimeError(f"{deployment}: {count} replicas not ready after {timeout:.0f} s: {states}")
         time.sleep(POLL_S)
+
+
+def answered_by(host: Any, unit: str) -> int:
+    """Requests ``unit``'s llama-server answered so far: its journal's "print_timing: ... total time"
+    lines (one a request; print_timing writes 4 lines each)."""
+    out = host.sh("journalctl", "-u", unit, "--no-pager", "-o", "cat", check=False).stdout
+    return sum(1 for line in out.splitlines() if "print_timing" in line and "total time" in line)
 
 
 def main_pid(host: Any, unit: str) -> int | None:
@@ -540,18 +560,27 @@ class Bench:
         def one(model: str) -> None:
             streamed_turn(self.client(), model, [{"role": "system", "content": system},
                                                  {"role": "user", "content": "Which pond is in record 1?"}], 2)
-        with ThreadPoolExecutor(len(targets)) as pool:
-            list(pool.map(one, [m for models in targets.values() for m in models]))
+        models = [m for models in targets.values() for m in models]
+        with ThreadPoolExecutor(len(models)) as pool:
+            list(pool.map(one, models))
 
-    def _warm_replicas(self, system: str) -> str:
-        """Warm both replicas: chat@2 by name where the proxy takes it, else two at once through chat."""
-        import openai
-        try:
-            self._warm({"1": [CHAT], "2": [f"{CHAT}@2"]}, system)
-            return f"{CHAT} and {CHAT}@2 by name, at once"
-        except openai.APIStatusError:
-            self._warm({"1": [CHAT], "2": [CHAT]}, system)
-            return f"two at once through {CHAT} ({CHAT}@2 is not a model the proxy takes)"
+    def _warm_replicas(self, system: str) -> dict[str, Any]:
+        """Warm both replicas through ``chat`` (a replica's name is no model: the proxy answers 404).
+        The proxy sends a prompt to the replica that served its prefix unless that one has more than
+        ``affinity_slack`` (4) requests beyond the other, so AFFINITY_SLACK + 2 warm-ups at once:
+        the first ones fill replica 1, the last finds it past the slack and goes to replica 2. Each
+        engine's journal says how many it answered; a wave more where replica 2 answered none."""
+        units = {i: replica_unit(CHAT, i) for i in (1, 2)}
+        before = {i: answered_by(self.host, u) for i, u in units.items()}
+        waves = 0
+        while waves < 3:
+            waves += 1
+            self._warm({"chat": [CHAT] * (AFFINITY_SLACK + 2)}, system)
+            if answered_by(self.host, units[2]) > before[2]:
+                break
+        counts = {units[i]: answered_by(self.host, units[i]) - before[i] for i in units}
+        return {"how": f"{AFFINITY_SLACK + 2} warm-ups at once through {CHAT} ({CHAT}@2 is no model name)",
+                "waves": waves, "answered_by": counts, "both": all(counts.values())}
 
     def _conversations(self, system: str, pick: Callable[[int, int], str]) -> tuple[dict[str, Any], float, list]:
         a = self.args
@@ -653,7 +682,7 @@ class Bench:
             load_end = end_load(stop, threads) - began
             parked_by = time.monotonic() + a.scale_down_wait
             while up is not None and time.monotonic() < parked_by \
-                    and first_at(poller.samples, 2, ("parked",), load_end) is None:
+                    and first_at(poller.samples, 2, PARKED, load_end) is None:
                 time.sleep(POLL_S)
             poller.stop()
             over = next((t for t, per in poller.over if per > SCALE["scale_up_load"]), None)

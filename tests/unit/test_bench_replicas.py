@@ -98,6 +98,9 @@ def test_scaling_times_run_from_the_loads_start_to_ready_and_from_its_end_to_par
     assert rep.scale_times(samples, 0.0, 8.0) == {"up_s": 3.0, "down_s": 11.5}
     assert rep.scale_times(samples[:2], 0.0, 8.0) == {"up_s": None, "down_s": None}
     assert rep.scale_times(samples[:4], 0.0, 8.0) == {"up_s": 3.0, "down_s": None}
+    # A park that evicted it from the plan leaves it stopped: parked all the same.
+    stopped = samples[:5] + [(20.0, {1: "ready", 2: "stopped"})]
+    assert rep.scale_times(stopped, 0.0, 8.0) == {"up_s": 3.0, "down_s": 12.0}
 
 
 def test_a_killed_replica_is_back_at_its_first_ready_after_it_was_seen_down():
@@ -116,6 +119,9 @@ def test_the_manifests_are_valid_deployments_with_their_replicas():
     spec = parse_manifest(rep.manifest("rolled", "/m.gguf", 2, None, {"BENCH_REVISION": "2"}))
     assert (spec.replicas.min, spec.replicas.max, spec.env) == (2, 2, {"BENCH_REVISION": "2"})
     assert parse_manifest(rep.manifest("rr-a", "/m.gguf", None, 1)).replicas.max == 1
+    # Each engine's context holds the affinity part's conversations at once (the default 4,096 does not).
+    assert spec.engine_args == ["-c", str(rep.CONTEXT)] and rep.CONTEXT >= 8192
+    assert parse_manifest(rep.manifest("rr-a", "/m.gguf", None, 1, context=None)).engine_args == []
     assert rep.cpus_per_engine(2) == 1 and rep.cpus_per_engine(16) == 8 and rep.cpus_per_engine(1) is None
     assert rep.replica_unit("chat", 1) == "capyctl-chat.service"
     assert rep.replica_unit("chat", 2) == "capyctl-chat@2.service"
