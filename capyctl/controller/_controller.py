@@ -354,6 +354,12 @@ class Controller:
         gets the waits for room and the evictions as phases, and the evicted parks' timelines."""
         try:
             await self._make_room(actor, progress, timeline if timeline is not None else Timeline())
+        except NoRoom as exc:
+            if actor.waits_for_room:
+                raise
+            # A replica added by scaling that finds no room is not a failed deployment: it stays as it
+            # was, and scaling tries again later (_replicas.DECISION_RETRY_S).
+            raise RoomWaitTimeout(f"replica {actor.name!r} was not added: {exc.message}", retry_after=1.0) from None
         finally:
             self.turns.leave(actor.name, {name: a.requests for name, a in self.actors.items()})
 
@@ -554,7 +560,7 @@ class Controller:
                 last = actor.last_used or (actor.ready_since if actor.spec.replicas.max > 1 else 0) or now
                 if now - last >= after and not actor.has_pending_commands:
                     actor.submit(Command.PARK, evicting=True, idle=True, reason=f"idle for {after:.0f}s")
-            self._scale_replicas()
+            self.scale_replicas()
 
     # -- replicas (_replicas.py) --------------------------------------------------------------------
 
@@ -587,7 +593,7 @@ class Controller:
             raise NotFound(f"no deployment named {name!r}", code="deployment_not_found")
         return replicas
 
-    def _scale_replicas(self) -> None:
+    def scale_replicas(self) -> None:
         """Add or park replicas by load (ReplicaSet.scale); each decision in the journal and /metrics."""
         for replicas in list(self.replica_sets.values()):
             if replicas.spec.replicas.max == 1 and replicas.spec.replicas.min <= 1:

@@ -540,3 +540,26 @@ def test_a_phase_lapped_again_in_a_row_is_one_entry():
     timeline.lap("wait for room")
     assert [p["phase"] for p in timeline.phases] == ["wait for room", "evict", "wait for room"]
     assert timeline.stages["wait for room"] == pytest.approx(timeline.phases[0]["seconds"] + timeline.phases[2]["seconds"])
+
+
+async def test_a_replica_added_for_load_never_makes_a_busy_deployment_yield(one_card):
+    # The card holds one of these engines. r's first replica is woken by its request and may take
+    # its turn; a second one, added for load or to keep min, takes only free or idle room: it must
+    # not close the door of a (busy, resident) and make it yield (capyctl/controller/_replicas.py).
+    ctl, systemd, model = one_card
+    a = await _deploy(ctl, model, "a")
+    r = await _deploy(ctl, model, "r", "replicas: {min: 2, max: 2}\n")
+    second = ctl.get("r@2")
+    async with _one_request_in_flight(ctl, a):
+        with pytest.raises(RoomWaitTimeout, match="added for load only where room is free"):
+            await second.submit("wake", room_now_only=True)
+        assert a.requests.door_open and a.state == "ready" and second.state == "stopped"
+        assert ("stop", "capyctl-a.service") not in systemd.events
+    # Idle, a is evicted for r's first replica as any deployment is; then min brings the second only
+    # where room is free: none here, so it is decided, refused without waiting, and left stopped.
+    await _served(ctl, "r")
+    assert r.state == "ready" and a.state in ("parked", "stopped")
+    ctl.scale_replicas()
+    await _until(lambda: not second.has_pending_commands)
+    assert second.state == "stopped" and r.state == "ready"
+    assert ctl.stats()["r@2"]["scaled_min"] == 1
