@@ -301,6 +301,13 @@ do_uninstall() {
     done
     systemctl stop capyctl.service >/dev/null 2>&1 || true
   fi
+  # What `systemctl enable` made, whether or not a systemd runs now to disable it (an install made
+  # where systemd ran, removed from a rescue shell or a container) and whether or not its unit
+  # files are still there: a link left behind makes the next install look half done.
+  local socket_link
+  for socket_link in "${SOCKETS[@]}"; do
+    rm -f "$(dest "/etc/systemd/system/sockets.target.wants/$socket_link")"
+  done
   local list file files=()
   list=$(dest "$INSTALLED_LIST")
   if [ -f "$list" ]; then
