@@ -27,6 +27,10 @@ log = logging.getLogger("capyctl.proxy")
 # Seconds between two SSE comments to a waiting stream (WaitProgress): often enough that a client
 # (or a reverse proxy's read timeout) sees the wait go on, not so often that it reads only that.
 PROGRESS_INTERVAL = 1.0
+# Why a connection to an engine broke before any of its answer reached the client, when the request
+# may be sent again (Router.engine_lost decides): the engine died or its host went, or CapyCTL's
+# watchdog stopped it hung (a replica's siblings then answer).
+RESENDABLE = frozenset({"engine_unreachable", "engine_unresponsive"})
 STREAM_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -53,7 +57,7 @@ async def forward(exchange: Exchange, upstream: Upstream, path: str, payload: by
         return await _relay(exchange, upstream, answer, committed)
     except CapyError as err:
         # (A stream whose events began ends with its error event instead: it is never raised.)
-        if resend and err.code == "engine_unreachable" and await _engine_lost(exchange, upstream):
+        if resend and err.code in RESENDABLE and await _engine_lost(exchange, upstream):
             raise EngineMoved(upstream) from err
         raise
 

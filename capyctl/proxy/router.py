@@ -152,10 +152,12 @@ class Router(Protocol):
 
     async def engine_lost(self, upstream: Upstream) -> bool:
         """The connection to ``upstream``'s engine broke before any of its answer reached the
-        client. True when that engine was lost with its host and its deployment is moving to
-        another (on_host_loss: move): the proxy then sends the request once more through
-        ``acquire``, which waits for the move. False (the request's 502 stands) otherwise, an
-        engine that died on a host still connected included. May wait a moment to tell which."""
+        client (it died, or CapyCTL stopped it hung). True when the request may go elsewhere:
+        that engine was lost with its host and its deployment is moving to another (on_host_loss:
+        move), or it is one replica of a deployment whose others serve; the proxy then sends the
+        request once more through ``acquire``, which waits for the move or picks a sibling. False
+        (the request's 502 stands) otherwise, a lone engine that died on a host still connected
+        included. May wait a moment to tell which."""
 
     def wake_durations(self) -> dict[str, DurationCounts]:
         """Per deployment, how long its wakes and cold starts took (to ready)."""
