@@ -838,3 +838,26 @@ async def test_a_request_looks_up_its_one_model_where_the_router_can(setup: Setu
     async with http.post(setup.url + "/v1/chat/completions", json=body, headers=auth()) as response:
         assert response.status == 200
     assert asked == ["model-b"]
+
+
+async def test_a_request_to_an_engine_stopped_hung_is_sent_again_where_the_router_says(
+        setup: Setup, http: aiohttp.ClientSession) -> None:
+    # A replica's engine hung and CapyCTL's watchdog stopped it: the broken connection carries the
+    # watchdog's verdict (engine_unresponsive), and Router.engine_lost sends the request to a sibling.
+    sibling = setup.router.upstreams["model-a"]
+    hung = CapyError("the engine of 'dep-a' did not answer its health check; CapyCTL stopped it",
+                     code="engine_unresponsive", status=502)
+    async with engine_lost_with_its_host() as port:
+        setup.router.upstreams["model-a"] = dataclasses.replace(sibling, base_url=f"http://127.0.0.1:{port}",
+                                                                host="b", verdict=lambda: hung)
+        setup.router.moves["dep-a"] = sibling
+        async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json={"model": "model-a"}) as response:
+            assert response.status == 200, await response.text()
+            assert await response.read() == setup.fake.body
+    assert setup.router.lost_asked == ["b"] and len(setup.fake.requests) == 1
+    # No sibling to send it to: the verdict is what the client reads.
+    async with engine_lost_with_its_host() as port:
+        setup.router.upstreams["model-a"] = dataclasses.replace(sibling, base_url=f"http://127.0.0.1:{port}",
+                                                                host="b", verdict=lambda: hung)
+        async with http.post(setup.url + "/v1/chat/completions", headers=auth(), json={"model": "model-a"}) as response:
+            assert response.status == 502 and (await error_of(response))["code"] == "engine_unresponsive"
