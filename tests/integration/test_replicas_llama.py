@@ -68,6 +68,11 @@ def wait_for_state(host: CapyHost, replica: str, states: tuple[str, ...], timeou
         time.sleep(0.5)
 
 
+def daemon_log(host: CapyHost) -> str:
+    """The daemon's own journal, all of it (its engines' lines left out)."""
+    return host.sh("journalctl", "-u", "capytest-daemon.service", "--no-pager", "-o", "cat").stdout
+
+
 def main_pid(host: CapyHost, unit: str) -> int:
     return int(host.unit_property(unit, "MainPID"))
 
@@ -222,22 +227,31 @@ def wait_until_in_flight(host: CapyHost, name: str, count: int) -> None:
         time.sleep(0.05)
 
 
-def test_a_killed_replica_fails_no_request_and_comes_back(host):
-    deploy(host, "hardy", "2")
+def test_a_killed_or_hung_replica_fails_no_request_and_comes_back(host):
+    # A hung engine is found by the watchdog within timeouts.unresponsive plus its probe period.
+    deploy(host, "hardy", "2", extra="timeouts: {unresponsive: 2s}\n")
     try:
-        before = main_pid(host, "capyctl-hardy@2.service")
+        killed = main_pid(host, "capyctl-hardy@2.service")
         with Load(host, "hardy") as load:
             load.wait_answers(4)
-            host.sh("kill", "-9", str(before))
+            host.sh("kill", "-9", str(killed))
             wait_for_state(host, "hardy@2", ("failed", "stopped", "starting", "waking"))
             load.wait_answers(8)  # all served by the sibling meanwhile
             back = wait_for_state(host, "hardy@2", ("ready",))
             load.wait_answers(4)
-        assert load.errors == [], load.errors  # non-streamed ones and streams not begun were sent to pair
-        assert all("hardy@2" in cut for cut in load.cut_streams), load.cut_streams
-        assert main_pid(host, "capyctl-hardy@2.service") != before
-        assert back["wakes"] >= 1
-        assert "replica hardy@2 lost its engine connection" in host.daemon_journal(400)
+            # Replica 1 hangs (SIGSTOP): its requests wait until the watchdog stops it, then go to
+            # replica 2, which serves alone until replica 1 is started again.
+            hung = main_pid(host, "capyctl-hardy.service")
+            host.sh("kill", "-STOP", str(hung))
+            stopped = wait_for_state(host, "hardy", ("failed", "stopped", "starting", "waking"))
+            load.wait_answers(8)
+            wait_for_state(host, "hardy", ("ready",))
+            load.wait_answers(4)
+        assert load.errors == [], load.errors  # non-streamed ones and streams not begun went to the sibling
+        assert all("hardy" in cut for cut in load.cut_streams), load.cut_streams
+        assert main_pid(host, "capyctl-hardy@2.service") != killed and main_pid(host, "capyctl-hardy.service") != hung
+        assert back["wakes"] >= 1 and "engine_unresponsive" in (stopped["reason"] or ""), stopped
+        assert "replica hardy@2 lost its engine connection" in daemon_log(host)
     finally:
         host.cli("delete", "deployment", "hardy")
 
@@ -255,7 +269,7 @@ def test_a_new_revision_replaces_the_replicas_one_at_a_time_under_load(host):
             assert main_pid(host, unit) != pid, f"{unit} was not replaced"
             assert "ROLLED=1" in host.unit_property(unit, "Environment")
         assert {r["revision"] for r in replicas(host, "roll").values()} == {2}
-        journal = host.daemon_journal(400)
+        journal = daemon_log(host)
         assert journal.index("replacing replica roll with") < journal.index("replacing replica roll@2 with"), \
             journal[-3000:]
     finally:
@@ -273,7 +287,7 @@ def test_load_adds_a_replica_and_its_end_parks_it(host):
         parked = wait_for_state(host, "elastic@2", ("parked", "stopped"))
         assert "scaled down" in (parked["reason"] or ""), parked
         assert host.cli_json("status", "deployment", "elastic")["state"] == "ready"  # min 1 stays
-        journal = host.daemon_journal(400)
+        journal = daemon_log(host)
         assert "adding replica elastic@2" in journal and "parking replica elastic@2" in journal, journal[-3000:]
         request = urllib.request.Request(host.base_url + "/metrics", headers={"Authorization": f"Bearer {host.key}"})
         metrics = urllib.request.urlopen(request, timeout=30).read().decode()
