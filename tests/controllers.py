@@ -2,11 +2,46 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 from capyctl.config import DaemonConfig, Paths
+
+
+class RecordingSystemd:
+    """A stand-in for CapyCTL's systemd D-Bus client (capyctl.systemd) on which every unit stays
+    as it is asked to be: it starts, its gate opens, it stops, it never changes state by itself and
+    its memory is not known. It records what it was asked: ``started`` the transient units, in
+    order, and ``events`` ("start", unit), ("describe", unit) and ("stop", unit) by unit name."""
+
+    def __init__(self) -> None:
+        self.started: list[Any] = []
+        self.events: list[tuple[str, str]] = []
+
+    async def unit_state(self, name):
+        return None
+
+    async def open_gate(self, name):
+        return True
+
+    async def start_transient(self, unit, **_):
+        self.started.append(unit)
+        self.events.append(("start", unit.name))
+
+    async def set_description(self, name, description):
+        self.events.append(("describe", name))
+
+    async def watch(self, name):
+        await asyncio.Event().wait()  # the unit never changes state
+        yield  # pragma: no cover
+
+    async def stop_unit(self, name, timeout=30.0):
+        self.events.append(("stop", name))
+
+    async def memory_current(self, unit):
+        return None
 
 
 @contextlib.asynccontextmanager

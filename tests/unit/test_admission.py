@@ -21,36 +21,10 @@ from capyctl.controller._proof import WakeProof
 from capyctl.controller._turns import RoomWaitTimeout
 from capyctl.errors import QueueFull
 from capyctl.spec import parse_manifest
-from tests.controllers import vllm_controller
+from tests.controllers import RecordingSystemd, vllm_controller
 
 GiB = 1 << 30
 HANG_GUARD = 20.0  # only a broken limit waits this long: the request it should refuse waits instead
-
-
-class _Systemd:
-    """Every unit starts and stops as it is asked to."""
-
-    async def unit_state(self, name):
-        return None
-
-    async def open_gate(self, name):
-        return True
-
-    async def start_transient(self, unit, **_):
-        pass
-
-    async def set_description(self, name, description):
-        pass
-
-    async def watch(self, name):
-        await asyncio.Event().wait()
-        yield  # pragma: no cover
-
-    async def stop_unit(self, name, timeout=30.0):
-        pass
-
-    async def memory_current(self, unit):
-        return None
 
 
 class _Gate:
@@ -82,7 +56,7 @@ async def gated(tmp_path, monkeypatch):
     monkeypatch.setattr(WakeProof, "check", proven)
     monkeypatch.setattr(WakeProof, "after_requests", lambda self, seconds: None)
     monkeypatch.setenv("CAPYCTL_ARM_PARKED", "0")
-    async with vllm_controller(tmp_path, _Systemd(), DaemonConfig()) as (ctl, model):
+    async with vllm_controller(tmp_path, RecordingSystemd(), DaemonConfig()) as (ctl, model):
         yield ctl, model, gate
 
 

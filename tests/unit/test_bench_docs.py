@@ -4,17 +4,14 @@ one of the module's goals, and no sentence gives a goal the module does not have
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
+
+from tests.benchmarks import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "benchmarks.md"
-_spec = importlib.util.spec_from_file_location("bench_summary", REPO / "benchmarks" / "bench_summary.py")
-bs = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_summary", bs)  # dataclasses look their module up
-_spec.loader.exec_module(bs)
+bs = load_benchmark("bench_summary")
 G = bs.G
 
 NUMBER = r"(\d[\d,]*(?:\.\d+)?)\s*(x|ms|MiB|%|µs|us|requests/s|/s|s)(?!\w)"

@@ -6,31 +6,19 @@ connections met (hostile_heads.py), and what the hand-made engine client saves (
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-one_engine_proxy = _load("_one_engine_proxy")
-sse_engine = _load("_sse_engine")
-streams_scale = _load("streams_scale")
-hostile_heads = _load("hostile_heads")
-proxy_hop = _load("proxy_hop")
+one_engine_proxy = load_benchmark("_one_engine_proxy")
+sse_engine = load_benchmark("_sse_engine")
+streams_scale = load_benchmark("streams_scale")
+hostile_heads = load_benchmark("hostile_heads")
+proxy_hop = load_benchmark("proxy_hop")
 
 from capyctl.proxy import KeyGrant, StaticKeys, Upstream, build_app, serve  # noqa: E402
 from proxy_overhead import OneEngineRouter  # noqa: E402  (benchmarks/, on the path once loaded above)

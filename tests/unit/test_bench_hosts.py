@@ -3,19 +3,10 @@ sizes: per idle host over 1 host, SSH connections, and the list and restart time
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from tests.benchmarks import load_benchmark
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_summary", REPO / "benchmarks" / "bench_summary.py")
-bs = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_summary", bs)  # dataclasses look their module up
-_spec.loader.exec_module(bs)
-_hspec = importlib.util.spec_from_file_location("hosts_scale", REPO / "benchmarks" / "hosts_scale.py")
-hosts_scale = importlib.util.module_from_spec(_hspec)
-sys.modules.setdefault("hosts_scale", hosts_scale)
-_hspec.loader.exec_module(hosts_scale)
+bs = load_benchmark("bench_summary")
+hosts_scale = load_benchmark("hosts_scale")
 G = bs.G
 
 MiB = 1 << 20

@@ -4,25 +4,12 @@ rows from its JSON, judged against bench_goals.py's goals."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks import load_benchmark
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-bs = _load("bench_summary")
-rep = _load("replicas")
+bs = load_benchmark("bench_summary")
+rep = load_benchmark("replicas")
 G = bs.G
 
 

@@ -4,7 +4,6 @@ goal judged PASS or MISS, rows not measured said so; the chart and summary.json 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import sys
 import time
@@ -12,15 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks import load_benchmark
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_summary", REPO / "benchmarks" / "bench_summary.py")
-bs = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("bench_summary", bs)  # dataclasses look their module up
-_spec.loader.exec_module(bs)
-_cspec = importlib.util.spec_from_file_location("contention", REPO / "benchmarks" / "contention.py")
-contention = importlib.util.module_from_spec(_cspec)
-sys.modules.setdefault("contention", contention)
-_cspec.loader.exec_module(contention)
+bs = load_benchmark("bench_summary")
+contention = load_benchmark("contention")
 
 MiB = 1 << 20
 

@@ -3,7 +3,6 @@ they hold are what their unit is given."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
@@ -16,6 +15,7 @@ from capyctl.engines import adapter_for
 from capyctl.scheduler import GpuCard, NoRoom
 from capyctl.controller import DeploymentState
 from capyctl.spec import parse_manifest
+from tests.controllers import RecordingSystemd
 from tests.fakes.deployments import PlacedDeploymentFake
 
 
@@ -304,35 +304,27 @@ async def test_a_budget_the_manifest_gives_is_not_replaced_by_a_measurement(tmp_
 
 # -- the launch the controller builds ---------------------------------------------------------------
 
-class _RecordingSystemd:
-    """Where the D-Bus client goes: records the transient units the controller starts."""
+class _GateRecordingSystemd(RecordingSystemd):
+    """Where the D-Bus client goes: records, besides the transient units the controller starts,
+    the units stopped, the gates opened and each unit's last description."""
 
     def __init__(self) -> None:
-        self.started: list = []
+        super().__init__()
         self.stopped: list = []
         self.gates_opened: list = []
         self.descriptions: dict = {}
 
-    async def unit_state(self, name):
-        return None
-
     async def open_gate(self, name):
         self.gates_opened.append(name)
-        return True
-
-    async def start_transient(self, unit, **_):
-        self.started.append(unit)
+        return await super().open_gate(name)
 
     async def set_description(self, name, description):
         self.descriptions[name] = description
-
-    async def watch(self, name):
-        await asyncio.Event().wait()  # the unit never changes state in this test
-        yield  # pragma: no cover
+        await super().set_description(name, description)
 
     async def stop_unit(self, name, timeout=30.0):
         self.stopped.append(name)
-        return None
+        await super().stop_unit(name, timeout)
 
 
 @pytest.fixture
@@ -351,7 +343,7 @@ async def vllm_on_two_cards(tmp_path, monkeypatch):
     contexts = []
     build = VllmAdapter.build_launch
     monkeypatch.setattr(VllmAdapter, "build_launch", lambda self, ctx: contexts.append(ctx) or build(self, ctx))
-    systemd = _RecordingSystemd()
+    systemd = _GateRecordingSystemd()
     async with vllm_controller(tmp_path, systemd) as (ctl, model):
         yield ctl, systemd, contexts, model
 

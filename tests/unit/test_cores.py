@@ -17,6 +17,7 @@ from capyctl.errors import CapyError
 from capyctl.hosts import cores_of, format_cpu_list, parse_cpu_list
 from capyctl.spec import DeploymentSpec, EngineSpec, ManifestError, parse_manifest, problems_in_file
 from capyctl.systemd import TransientUnit
+from tests.controllers import RecordingSystemd
 
 GiB = 1 << 30
 
@@ -136,26 +137,8 @@ def test_a_cpu_weight_out_of_range_is_refused():
 
 # -- the controller: two CPU deployments, and too many cores ---------------------------------------
 
-class _RecordingSystemd:
-    def __init__(self) -> None:
-        self.started: list = []
-
-    async def unit_state(self, name):
-        return None
-
-    async def start_transient(self, unit, **_):
-        self.started.append(unit)
-
-    async def set_description(self, name, description):
-        pass
-
-    async def watch(self, name):
-        import asyncio
-        await asyncio.Event().wait()
-        yield  # pragma: no cover
-
-    async def stop_unit(self, name, timeout=30.0):
-        return None
+class _SystemdOf100MiBUnits(RecordingSystemd):
+    """Every unit's cgroup holds 100 MiB."""
 
     async def memory_current(self, name):
         return 100 << 20
@@ -170,7 +153,7 @@ async def cpu_controller(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([]))
     monkeypatch.setattr(_memory, "_local_cores", lambda: ((0,), (1,), (2,), (3,)))
-    systemd = _RecordingSystemd()
+    systemd = _SystemdOf100MiBUnits()
     async with vllm_controller(tmp_path, systemd) as (ctl, model):
         yield ctl, systemd, model
 

@@ -25,40 +25,11 @@ from capyctl.controller._proof import WakeProof
 from capyctl.controller._turns import RoomWaitTimeout, WakeCancelled
 from capyctl.errors import Unavailable
 from capyctl.spec import parse_manifest
-from tests.controllers import vllm_controller
+from tests.controllers import RecordingSystemd, vllm_controller
 
 GiB = 1 << 30
 HANG_GUARD = 20.0
 REAL_PROVE_AFTER_REQUESTS = WakeProof.after_requests
-
-
-class _Systemd:
-    """Records the units started and stopped; every unit stays as it is asked to be."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, str]] = []
-
-    async def unit_state(self, name):
-        return None
-
-    async def open_gate(self, name):
-        return True
-
-    async def start_transient(self, unit, **_):
-        self.events.append(("start", unit.name))
-
-    async def set_description(self, name, description):
-        self.events.append(("describe", name))
-
-    async def watch(self, name):
-        await asyncio.Event().wait()
-        yield  # pragma: no cover
-
-    async def stop_unit(self, name, timeout=30.0):
-        self.events.append(("stop", name))
-
-    async def memory_current(self, unit):
-        return None
 
 
 @pytest.fixture
@@ -81,7 +52,7 @@ async def one_card(tmp_path, monkeypatch):
     config = DaemonConfig()
     config.swap_quantum, config.swap_wait_max = 0.3, 3.0
     monkeypatch.setenv("CAPYCTL_ARM_PARKED", "0")
-    systemd = _Systemd()
+    systemd = RecordingSystemd()
     async with vllm_controller(tmp_path, systemd, config) as (ctl, model):
         yield ctl, systemd, model
 
