@@ -596,7 +596,7 @@ class Controller:
     def scale_replicas(self) -> None:
         """Add or park replicas by load (ReplicaSet.scale); each decision in the journal and /metrics."""
         for replicas in list(self.replica_sets.values()):
-            if replicas.spec.replicas.max == 1 and replicas.spec.replicas.min <= 1:
+            if not replicas.replicated:
                 continue
             for decision in replicas.scale():
                 actor = self.actors[decision.replica]
@@ -787,10 +787,12 @@ class Controller:
                          replicas.deployment, actor.name, revision.revision)
                 progress(f"replacing replica {actor.name}")
                 replicas.draining.add(actor.name)
-            try:
-                # The revision first: a wake its waiting requests queue behind the stop starts the new one.
+                # The revision first: a wake that requests waiting for it queue behind the stop
+                # starts the new one.
                 self._set_revision(actor, revision)
+            try:
                 await actor.submit(Command.STOP)
+                self._set_revision(actor, revision)
                 if rolling:
                     await actor.submit(Command.WAKE, progress=progress)
             finally:

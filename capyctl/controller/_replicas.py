@@ -26,7 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
-from ..config import replica_name
+from ..config import replica_name, replica_of
 from ._lifecycle import DeploymentState
 
 # Characters per hashed block of a prompt: a conversation's next turn adds about this much or
@@ -218,10 +218,8 @@ class ReplicaSet:
         keeps its stored response); None otherwise."""
         if name is None:
             return None
-        for r in self.members.values():
-            if r.name == name:
-                return r
-        return None
+        deployment, index = replica_of(name)
+        return self.members.get(index) if deployment == self.deployment else None
 
     def to_wake(self) -> Any:
         """The replica a request waits for when none is ready: one already starting, else the
