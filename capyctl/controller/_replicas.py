@@ -123,6 +123,7 @@ class Replica(Protocol):
     def has_pending_commands(self) -> bool: ...
     @property
     def requests(self) -> Any: ...
+    def backoff_left(self) -> float: ...  # seconds a failed replica still refuses wakes
 
 
 def load(replica: Replica) -> int:
@@ -154,7 +155,6 @@ class ReplicaSet:
         self.draining: set[str] = set()
         self._over_since: float | None = None
         self._decided_at: dict[str, float] = {}  # replica -> when a decision last woke it
-        self.decisions: dict[tuple[str, str], int] = {}  # (direction, replica) -> count, for /metrics
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -240,7 +240,8 @@ class ReplicaSet:
             self.prefixes.record(hashes, replica.name)
 
     def lost(self, replica: Replica) -> None:
-        """The proxy's connection to ``replica`` broke: no request goes there until it starts again."""
+        """The proxy's connection to ``replica`` broke: no request goes there until it starts again
+        (a new launch) or SUSPECT_S passed."""
         self._suspects[replica.name] = (replica.launch_id, time.monotonic() + SUSPECT_S)
         self.prefixes.forget(replica.name)
 
