@@ -12,7 +12,8 @@ on deployments of its own (deleted after it), each runnable alone with ``--parts
               at a time, sharing one system prompt of some 1,000 tokens, each user turn its own
               (some 70 tokens), answers of ``--max-tokens`` (8) tokens appended to the history.
               Every turn is streamed; its time to first token and the engine's ``timings.cache_n``
-              (prompt tokens taken from its cache, passed through by the proxy) are kept.
+              (prompt tokens taken from its cache, passed through by the proxy: llama.cpp's
+              tools/server/server-common.cpp, the "timings" object) are kept.
               Prefix affinity: one deployment ``chat`` with ``replicas: 2``, the clients asking
               for ``chat``. Baseline, in the same run: client round robin over two plain
               deployments of the same model and cores, ``rr-a`` and ``rr-b``, through the same
@@ -256,7 +257,8 @@ def manifest(name: str, model: str, replicas: Any, cpus: int | None, env: dict[s
     """A deployment of the bundled model on llama.cpp; ``replicas`` a number, a mapping or None (none).
     ``context``: llama-server's ``-c``, shared by its 4 slots (the daemon's default, 4,096, holds
     fewer than 4 of the affinity part's conversations at once: the engine then retries its
-    prefill a token at a time, "failed to find free space in the KV cache")."""
+    prefill a token at a time, "failed to find free space in the KV cache": llama.cpp's
+    tools/server/server-context.cpp; -c is --ctx-size, common/arg.cpp)."""
     text = f"name: {name}\nengine: llama\nmodel: {{path: {model}}}\n"
     if cpus:
         text += f"resources: {{cpus: {cpus}}}\n"
@@ -330,7 +332,8 @@ def wait_ready(host: Any, deployment: str, count: int, timeout: float = 180) -> 
 
 def answered_by(host: Any, unit: str) -> int:
     """Requests ``unit``'s llama-server answered so far: its journal's "print_timing: ... total time"
-    lines (one a request; print_timing writes 4 lines each)."""
+    lines (one a request; the slot's print_timings, llama.cpp's tools/server/server-context.cpp,
+    writes 4 lines each, its name cut to "print_timing" by the log's column)."""
     out = host.sh("journalctl", "-u", unit, "--no-pager", "-o", "cat", check=False).stdout
     return sum(1 for line in out.splitlines() if "print_timing" in line and "total time" in line)
 
