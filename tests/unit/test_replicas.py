@@ -45,9 +45,10 @@ class FakeReplica:
         return self.backoff
 
 
-def replica_set(replicas: str = "2", count: int | None = None) -> tuple[ReplicaSet, list[FakeReplica]]:
+def replica_set(replicas: int | dict = 2, count: int | None = None) -> tuple[ReplicaSet, list[FakeReplica]]:
+    """``replicas`` as a manifest's field has it: a count, or a mapping (min, max, ...)."""
     spec = DeploymentSpec.model_validate({"name": "chat", "engine": "llama.cpp", "model": {"path": "/m.gguf"},
-                                          "replicas": eval(replicas) if replicas.startswith("{") else int(replicas)})
+                                          "replicas": replicas})
     rs = ReplicaSet("chat")
     members = [FakeReplica(replica_name("chat", i), spec) for i in range(1, (count or spec.replicas.max) + 1)]
     for i, m in enumerate(members, 1):
@@ -103,7 +104,7 @@ def test_without_a_known_prefix_the_least_busy_ready_replica_serves():
 
 
 def test_a_conversation_goes_back_to_its_replica_within_the_slack():
-    rs, (one, two) = replica_set("{'min': 2, 'max': 2, 'affinity_slack': 2}")
+    rs, (one, two) = replica_set({"min": 2, "max": 2, "affinity_slack": 2})
     first = prefix_hashes(conversation(7, 1))
     rs.served(first, two)
     one.in_flight, two.in_flight = 0, 2  # two is busier, by the slack
@@ -116,7 +117,7 @@ def test_a_conversation_goes_back_to_its_replica_within_the_slack():
 
 
 def test_slack_zero_is_load_alone():
-    rs, (one, two) = replica_set("{'min': 2, 'max': 2, 'affinity_slack': 0}")
+    rs, (one, two) = replica_set({"min": 2, "max": 2, "affinity_slack": 0})
     rs.served(prefix_hashes(conversation(1)), two)
     two.in_flight = 1
     assert rs.pick_ready(prefix_hashes(conversation(1, 2))) is one
@@ -162,7 +163,7 @@ def test_to_wake_joins_a_start_under_way_and_skips_one_in_its_backoff():
 
 
 def test_scaling_adds_one_replica_after_the_load_lasted():
-    rs, (one, two, three) = replica_set("{'min': 1, 'max': 3, 'scale_up_load': 2, 'scale_up_after': 5}")
+    rs, (one, two, three) = replica_set({"min": 1, "max": 3, "scale_up_load": 2, "scale_up_after": 5})
     two.state = three.state = PARKED
     assert rs.scale(now=0) == []
     one.in_flight, one.waiting = 2, 1  # 3 per ready replica, past 2
@@ -181,7 +182,7 @@ def test_scaling_adds_one_replica_after_the_load_lasted():
 
 
 def test_scaling_parks_an_idle_replica_beyond_min_the_highest_first():
-    rs, (one, two, three) = replica_set("{'min': 1, 'max': 3, 'scale_down_after': 30}")
+    rs, (one, two, three) = replica_set({"min": 1, "max": 3, "scale_down_after": 30})
     now = time.time()
     for r in (one, two, three):
         r.last_used = now - 100
@@ -195,7 +196,7 @@ def test_scaling_parks_an_idle_replica_beyond_min_the_highest_first():
 
 
 def test_min_is_kept_while_it_serves_and_nothing_starts_while_all_rest():
-    rs, (one, two) = replica_set("2")
+    rs, (one, two) = replica_set(2)
     one.state, two.state = PARKED, PARKED
     assert rs.scale(now=100) == []  # parked as a whole: the next request wakes it
     one.state = READY
