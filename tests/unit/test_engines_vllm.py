@@ -393,8 +393,9 @@ async def test_sleep_query_values_are_vllms(tmp_path):
             "model": "chat", "messages": [{"role": "user", "content": "one two three four"}], "fake_token_delay": 0.1}))
         await served.until_stats(lambda stats: stats["in_flight"] == 1)  # running (not queued) when the sleep comes
         assert (await served.post("/sleep", params={"mode": "keep"}))[1] == {"status": "sleeping", "level": 1}
-        await asyncio.sleep(0.5)  # (4 tokens 0.1 s apart: unfrozen, it would be done by now)
-        assert not task.done() and (await served.stats())["completed"] == 0
+        # Held at its next token (the fake counts it frozen there); unfrozen, it would complete.
+        stats = await served.until_stats(lambda stats: stats["frozen"] == 1 or stats["completed"] > 0)
+        assert stats["frozen"] == 1 and stats["completed"] == 0 and not task.done()
         # Waking one tag leaves the engine asleep and says so.
         assert (await served.post("/wake_up", params={"tags": "weights"}))[1] == {"status": "sleeping",
                                                                                  "tags": ["weights"]}
