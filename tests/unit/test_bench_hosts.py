@@ -3,6 +3,10 @@ sizes: per idle host over 1 host, SSH connections, and the list and restart time
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from tests.benchmarks import load_benchmark
 
 bs = load_benchmark("bench_summary")
@@ -60,3 +64,35 @@ def test_one_size_alone_or_a_failed_size_is_not_judged_per_host():
     rows = {r.measure.split(" at ")[0]: r for r in hosts_scale.goals({"1": _size(1), "5": {"error": "boom"}})}
     assert rows["daemon RSS per idle host"].status == "n/a" and rows["daemon CPU per idle host"].status == "n/a"
     assert rows["list hosts"].status == "PASS"  # the largest size that ran: 1 host
+
+
+def test_one_ssh_connection_per_host_is_declared_and_judged_exactly():
+    """Issue 57: SSH_PER_HOST was declared at most 1 and judged equal to 1 by hand. One connection
+    to each host, exactly, is the goal: none is a host not driven, two a master not shared."""
+    assert G.SSH_PER_HOST.holds == G.EXACTLY
+    assert [G.SSH_PER_HOST.judge(n) for n in (0, 1, 2)] == ["MISS", "PASS", "MISS"]
+    assert _rows()["SSH connections per host"].status == "PASS"
+    # A host the rig saw no connection to counts 0, whether listed at 0 or left out.
+    zero = _size(5)
+    zero["ssh_connections"]["h4"] = 0
+    row = {r.measure.split(" at ")[0]: r for r in hosts_scale.goals({"1": _size(1), "5": zero})}[
+        "SSH connections per host"]
+    assert (row.status, row.ratio) == ("MISS", 0) and row.value == "0-1 per host over 6 hosts; 1 off the goal"
+    assert hosts_scale.ssh_per_host(_size(5, connected=3)) == [1, 1, 1, 0, 0]
+
+
+def test_the_ssh_row_is_judged_by_the_goals_own_comparison(monkeypatch):
+    """hosts_scale.py judges through the goal as bench_goals.py declares it, not a comparison of its own."""
+    monkeypatch.setattr(G, "SSH_PER_HOST", dataclasses.replace(G.SSH_PER_HOST, bound=2, holds=G.AT_MOST))
+    assert _rows()["SSH connections per host"].status == "PASS"  # 1 a host, at most 2
+    assert _rows(ssh=2)["SSH connections per host"].status == "PASS"
+    assert _rows(ssh=3)["SSH connections per host"].status == "MISS"
+    monkeypatch.setattr(G, "SSH_PER_HOST", dataclasses.replace(G.SSH_PER_HOST, bound=2, holds=G.EXACTLY))
+    assert _rows()["SSH connections per host"].status == "MISS"  # 1 a host, not 2
+
+
+@pytest.mark.parametrize("holds, figures, worst", [("at most", [1, 3, 2], 3), ("at least", [1, 3, 2], 1),
+                                                   ("exactly", [1, 0, 2, 4], 4)])
+def test_the_worst_of_several_figures_is_the_one_furthest_on_the_wrong_side(holds, figures, worst):
+    goal = dataclasses.replace(G.SSH_PER_HOST, bound=1, holds=holds)
+    assert goal.worst(figures) == worst and goal.worst([]) is None

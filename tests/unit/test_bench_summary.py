@@ -208,11 +208,16 @@ def test_the_floor_relay_is_named_beside_the_added_latency_when_it_was_measured(
 
 
 def test_goals_are_judged_at_their_bounds():
-    assert bs.judge(1.02, 1.02, at_most=True) == "PASS"
-    assert bs.judge(1.0201, 1.02, at_most=True) == "MISS"
-    assert bs.judge(0.99, 0.99, at_most=False) == "PASS"
-    assert bs.judge(0.9899, 0.99, at_most=False) == "MISS"
-    assert bs.judge(None, 1.0, at_most=True) == "n/a"
+    G = bs.G
+    assert bs.judge(1.02, 1.02, G.AT_MOST) == "PASS"
+    assert bs.judge(1.0201, 1.02, G.AT_MOST) == "MISS"
+    assert bs.judge(0.99, 0.99, G.AT_LEAST) == "PASS"
+    assert bs.judge(0.9899, 0.99, G.AT_LEAST) == "MISS"
+    assert bs.judge(1, 1, G.EXACTLY) == "PASS"
+    assert bs.judge(0, 1, G.EXACTLY) == bs.judge(2, 1, G.EXACTLY) == "MISS"
+    assert bs.judge(None, 1.0, G.AT_MOST) == "n/a"
+    with pytest.raises(ValueError):
+        bs.judge(1.0, 1.0, "roughly")
 
 
 def test_a_slow_proxy_misses_its_latency_goals():
