@@ -731,11 +731,10 @@ def render_goals(issue: int | None = None) -> str:
 
 def render_markdown(rows: Sequence[Row], source: str) -> str:
     """One group of a run's rows as a Markdown table, the run's folder named above it."""
-    verdict = {s: sum(1 for r in rows if r.status == s) for s in ("PASS", "MISS", "n/a")}
     return (f"From the run in `{source}` (`benchmarks/bench_summary.py RUN --docs docs/benchmarks.md`):\n\n"
             + markdown_table(("measure", "CapyCTL", "goal", "result"), [(r.measure, r.value, r.goal, r.status)
                                                                          for r in rows])
-            + f"\n\n{verdict['PASS']} PASS, {verdict['MISS']} MISS, {verdict['n/a']} not measured")
+            + f"\n\n{tally(rows)}")
 
 
 def update_docs(text: str, results: dict[str, Any] | None, source: str) -> tuple[str, dict[str, str]]:
@@ -779,9 +778,20 @@ def render_table(rows: Sequence[Row]) -> str:
     w0, w1, w2 = (max(w, len(h)) for w, h in zip(widths, ("measure", "CapyCTL", "goal")))
     lines = [f"{'measure':{w0}}  {'CapyCTL':{w1}}  {'goal':{w2}}  result", "-" * (w0 + w1 + w2 + 14)]
     lines += [f"{r.measure:{w0}}  {r.value:{w1}}  {r.goal:{w2}}  {r.status}" for r in rows]
-    verdict = {s: sum(1 for r in rows if r.status == s) for s in ("PASS", "MISS", "n/a")}
-    lines.append(f"{verdict['PASS']} PASS, {verdict['MISS']} MISS, {verdict['n/a']} not measured")
+    lines.append(tally(rows))
     return "\n".join(lines)
+
+
+def tally(rows: Sequence[Row]) -> str:
+    """Every verdict of ``rows``, counted: PASS and MISS, then any other verdict a row gives (DELETE,
+    say) by its word, then n/a as not measured. Only "info" rows, which judge nothing, are left out:
+    the counts add up to the rows that carry a goal."""
+    counts: dict[str, int] = {"PASS": 0, "MISS": 0}
+    for row in rows:
+        if row.status not in ("info", "n/a"):
+            counts[row.status] = counts.get(row.status, 0) + 1
+    counts["not measured"] = sum(1 for r in rows if r.status == "n/a")
+    return ", ".join(f"{n} {word}" for word, n in counts.items())
 
 
 def render_scale(scale: dict[str, Any] | None) -> str:

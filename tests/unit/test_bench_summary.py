@@ -266,7 +266,23 @@ def test_the_table_prints_every_row_with_goal_and_verdict():
     text = bs.render_table(bs.evaluate(_results()))
     assert "<= 0.70 ms over direct" in text and ">= 0.99x direct" in text and "<= 1.10x" in text
     assert "keep if >= 100 us" in text and ">= 2,848/s" in text
-    assert text.splitlines()[-1] == "33 PASS, 0 MISS, 1 not measured"  # LiteLLM not measured
+    assert text.splitlines()[-1] == "33 PASS, 0 MISS, 1 KEEP, 1 not measured"  # LiteLLM not measured
+
+
+def test_every_verdict_is_counted_in_the_tables_last_line():
+    """Issue 57: a DELETE row (any verdict but PASS and MISS) was counted nowhere, and a table read
+    "5 PASS, 0 MISS" with a DELETE row in it. Every row that carries a goal is counted."""
+    door = bs.groups(_results(proxy_hop=_hop(saves=90e-6)))["door"]
+    assert [r.status for r in door] == ["PASS"] * 5 + ["info", "DELETE"]
+    expected = "5 PASS, 0 MISS, 1 DELETE, 0 not measured"
+    assert bs.render_table(door).splitlines()[-1] == expected
+    assert bs.render_markdown(door, "run-1").splitlines()[-1] == expected
+    odd = [bs.Row("a", "", "", "PASS"), bs.Row("b", "", "", "UNDECIDED"), bs.Row("c", "", "", "n/a"),
+           bs.Row("d", "", "", "info"), bs.Row("e", "", "", "MISS")]
+    assert bs.tally(odd) == "1 PASS, 1 MISS, 1 UNDECIDED, 1 not measured"
+    for rows in (door, odd, bs.evaluate(_results()), bs.evaluate({})):
+        counted = sum(int(part.split()[0]) for part in bs.tally(rows).split(", "))
+        assert counted == sum(1 for r in rows if r.status != "info")
 
 
 def test_scale_lists_every_deployment():
