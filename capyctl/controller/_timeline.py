@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 # The phases, by the name ``lap`` closes them with. A wake's, in the order they can occur:
 WAIT_FOR_ROOM = "wait for room"  # in line behind busy deployments (controller/_turns.py)
@@ -43,17 +44,26 @@ ARM = "arm"  # the next launch's key sealed and its unit started at its gate
 WAKE, PARK = "wake", "park"
 
 
-def wall_clock() -> float:
-    return time.time()
+@dataclass(frozen=True)
+class Clocks:
+    """What a timeline reads: the wall clock, for when a phase began (what records, marks and the
+    admission's last answer say), and the monotonic clock, for how long it took."""
+
+    wall: Callable[[], float] = time.time
+    monotonic: Callable[[], float] = time.monotonic
+
+
+SYSTEM_CLOCKS = Clocks()
 
 
 class Timeline:
     """Phases of one wake or park. ``lap(phase)`` closes the phase running since the previous lap
     (or since the start); a phase lapped again later adds up in ``stages``."""
 
-    def __init__(self, kind: str = WAKE, *, began_at: float | None = None) -> None:
+    def __init__(self, kind: str = WAKE, *, began_at: float | None = None, clocks: Clocks = SYSTEM_CLOCKS) -> None:
         self.kind = kind
-        now_wall, now_mono = wall_clock(), time.monotonic()
+        self.clocks = clocks
+        now_wall, now_mono = clocks.wall(), clocks.monotonic()
         # A timeline may begin before it was made (a park's begins at the last answer): the
         # monotonic clock is set back by as much.
         back = max(0.0, now_wall - began_at) if began_at is not None else 0.0
@@ -75,21 +85,22 @@ class Timeline:
     def lap(self, phase: str) -> float:
         """Close ``phase``: it ran from the previous lap to now (a phase lapped twice in a row is
         one, so a long wait for room is one entry however often it looked again). Its seconds."""
-        now = time.monotonic()
+        now = self.clocks.monotonic()
         seconds = max(0.0, now - self._last)
         self._last = now
         if self.phases and self.phases[-1]["phase"] == phase:
             self.phases[-1]["seconds"] = round(self.phases[-1]["seconds"] + seconds, 6)
         else:
-            self.phases.append({"phase": phase, "at": round(wall_clock() - seconds, 6), "seconds": round(seconds, 6)})
+            began = self.clocks.wall() - seconds
+            self.phases.append({"phase": phase, "at": round(began, 6), "seconds": round(seconds, 6)})
         return seconds
 
     def mark(self, name: str, at: float | None = None) -> None:
         """A point in time (wall clock) that begins or ends no phase of its own."""
-        self.marks[name] = round(at if at is not None else wall_clock(), 6)
+        self.marks[name] = round(at if at is not None else self.clocks.wall(), 6)
 
     def end(self) -> None:
-        self.ended_at = wall_clock()
+        self.ended_at = self.clocks.wall()
 
     @property
     def seconds(self) -> float:

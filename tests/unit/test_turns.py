@@ -22,6 +22,8 @@ from capyctl.config import DaemonConfig
 from capyctl.controller import _controller
 from capyctl.controller._actor import DeploymentActor
 from capyctl.controller._proof import WakeProof
+from capyctl.controller._timeline import (EVICT, FIRST_ANSWER, HEALTH, PARK, UNIT_START, UNIT_STOP, WAIT_FOR_PARK,
+                                          WAIT_FOR_ROOM, WAKE, Clocks, Timeline)
 from capyctl.controller._turns import RoomWaitTimeout, WakeCancelled
 from capyctl.errors import Unavailable
 from capyctl.spec import parse_manifest
@@ -475,9 +477,11 @@ async def test_a_swap_records_its_phases_from_the_last_answer_to_the_first(one_c
     assert [p["phase"] for p in evicted["phases"]] == ["wait for park", "drain", "save prompt cache", "unit stop"]
     last_answer, door_closed = evicted["marks"]["last answer"], evicted["marks"]["door closed"]
     assert door_closed <= last_answer <= evicted["phases"][1]["at"]
-    first = wake["phases"][-1]
-    assert wake["swap_seconds"] == pytest.approx(first["at"] + first["seconds"] - last_answer, abs=1e-5)
-    assert 0 < wake["swap_seconds"] < wake["seconds"]
+    # The swap holds a's park (from its last answer) and b's phases after the evict, which came
+    # after it; b's wake began before a's last answer. (Its arithmetic, on a clock the test moves:
+    # test_a_swap_lasts_from_the_first_evicted_last_answer_to_the_incoming_first_answer.)
+    after_evict = sum(p["seconds"] for p in wake["phases"][names.index("evict") + 1:])
+    assert evicted["seconds"] + after_evict - 1e-3 <= wake["swap_seconds"] < wake["seconds"]
 
     durations = ctl.phase_durations()
     assert durations[("b", "wake", "health")].count == 1
@@ -502,8 +506,53 @@ async def test_a_wake_nobody_asks_anything_of_ends_its_timeline_at_its_next_park
     assert "marks" not in park
 
 
+class _TimelineClocks:
+    """A timeline's clocks, moved together and only by the test: ``t`` seconds in, the wall clock
+    reads 1024 + t and the monotonic clock t (binary fractions, so that every sum is exact)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.clocks = Clocks(wall=lambda: 1024.0 + self.t, monotonic=lambda: self.t)
+
+
+def test_a_swap_lasts_from_the_first_evicted_last_answer_to_the_incoming_first_answer():
+    clock = _TimelineClocks()
+    wake = Timeline(WAKE, clocks=clock.clocks)  # b's wake, asked at 1024.0
+    clock.t = 1.0
+    wake.lap(WAIT_FOR_ROOM)
+    # c answered last at 1024.75 and a at 1024.5; c is evicted first (parked by 1025.5), then a
+    # (by 1026.0). Each park's timeline begins at its deployment's last answer, as _actor.py's does.
+    for name, last_answer, stopped in (("c", 1024.75, 1.5), ("a", 1024.5, 2.0)):
+        park = Timeline(PARK, began_at=last_answer, clocks=clock.clocks)
+        park.mark("last answer", last_answer)
+        park.lap(WAIT_FOR_PARK)
+        clock.t = stopped
+        park.lap(UNIT_STOP)
+        wake.evicted.append({"deployment": name, **park.record()})
+    wake.lap(EVICT)
+    for t, phase in ((2.25, UNIT_START), (3.0, HEALTH), (3.25, FIRST_ANSWER)):  # b answers first at 1027.25
+        clock.t = t
+        wake.lap(phase)
+
+    record = wake.record()
+    assert record["swap_seconds"] == 2.75  # 1027.25, b's first answer, less 1024.5, a's last one
+    assert record["at"] == 1024.0 and record["seconds"] == 3.25
+    assert [(p["phase"], p["at"], p["seconds"]) for p in record["phases"]] == [
+        ("wait for room", 1024.0, 1.0), ("evict", 1025.0, 1.0), ("unit start", 1026.0, 0.25),
+        ("health", 1026.25, 0.75), ("first answer", 1027.0, 0.25)]
+    c, a = record["evicted"]
+    assert (c["deployment"], c["at"], c["marks"]) == ("c", 1024.75, {"last answer": 1024.75})
+    assert [(p["phase"], p["at"], p["seconds"]) for p in c["phases"]] == [
+        ("wait for park", 1024.75, 0.25), ("unit stop", 1025.0, 0.5)]
+    assert [(p["phase"], p["at"], p["seconds"]) for p in a["phases"]] == [
+        ("wait for park", 1024.5, 1.0), ("unit stop", 1025.5, 0.5)]
+    # Without its first answer, a wake has no swap to tell of yet.
+    unanswered = Timeline(WAKE, clocks=clock.clocks)
+    unanswered.evicted.append(a)
+    assert "swap_seconds" not in unanswered.record()
+
+
 def test_a_phase_lapped_again_in_a_row_is_one_entry():
-    from capyctl.controller._timeline import Timeline
     timeline = Timeline()
     for _ in range(50):  # a long wait for room, looked at again and again
         timeline.lap("wait for room")
