@@ -266,7 +266,7 @@ def test_the_table_prints_every_row_with_goal_and_verdict():
     text = bs.render_table(bs.evaluate(_results()))
     assert "<= 0.70 ms over direct" in text and ">= 0.99x direct" in text and "<= 1.10x" in text
     assert "keep if >= 100 us" in text and ">= 2,848/s" in text
-    assert text.splitlines()[-1] == "33 PASS, 0 MISS, 1 KEEP, 1 not measured"  # LiteLLM not measured
+    assert text.splitlines()[-1] == "33 PASS, 0 MISS, 1 KEEP, 0 DELETE, 1 not measured"  # LiteLLM not measured
 
 
 def test_every_verdict_is_counted_in_the_tables_last_line():
@@ -274,7 +274,7 @@ def test_every_verdict_is_counted_in_the_tables_last_line():
     "5 PASS, 0 MISS" with a DELETE row in it. Every row that carries a goal is counted."""
     door = bs.groups(_results(proxy_hop=_hop(saves=90e-6)))["door"]
     assert [r.status for r in door] == ["PASS"] * 5 + ["info", "DELETE"]
-    expected = "5 PASS, 0 MISS, 1 DELETE, 0 not measured"
+    expected = "5 PASS, 0 MISS, 0 KEEP, 1 DELETE, 0 not measured"
     assert bs.render_table(door).splitlines()[-1] == expected
     assert bs.render_markdown(door, "run-1").splitlines()[-1] == expected
     odd = [bs.Row("a", "", "", "PASS"), bs.Row("b", "", "", "UNDECIDED"), bs.Row("c", "", "", "n/a"),
@@ -355,14 +355,30 @@ def test_the_hop_through_aiohttps_engine_client_is_its_own_baseline_row():
 def test_the_hand_made_engine_client_is_kept_only_from_100_us_a_request():
     kept = bs.engine_client_row(_hop(saves=100e-6))
     assert (kept.measure, kept.status) == ("engine client: hand-made saves 100 us a request", "KEEP")
-    assert kept.value == "median 300 us against 400 us through aiohttp's client; proxy CPU 100 us a request less"
+    assert kept.value == ("median 300 us against 400 us through aiohttp's client; proxy CPU 100 us a request less; "
+                          "this run's figure decides, not a rerun")
     dropped = bs.engine_client_row(_hop(saves=99e-6))
     assert (dropped.measure, dropped.status, dropped.goal) == (
-        "engine client: hand-made saves 99 us a request", "DELETE", "keep if >= 100 us")
+        "engine client: hand-made saves 99 us a request", "DELETE", "keep if >= 100 us this run, else delete")
     assert bs.engine_client_row(_hop(saves=-20e-6)).status == "DELETE"  # aiohttp's was the faster
     older = bs.engine_client_row({"hop_s": {"nginx": 1e-4, "capyctl": 2e-4}})
     assert older.status == "n/a" and older.value == "proxy_hop.py measured no aiohttp engine client in this run"
     assert bs.engine_client_row(None).value == "proxy_hop.py wrote no result"
+
+
+def test_the_engine_clients_verdict_is_the_runs_own_keep_or_delete_and_counted():
+    """Issue 57: the last run read 90 us against the 100 us rule and the client stayed on reruns of
+    proxy_hop.py alone. The rule is a verdict on code from one run: the goal's own words, KEEP or
+    DELETE, from that run's figure, counted in its table, and its goal says that no rerun decides."""
+    goal = bs.G.ENGINE_CLIENT_PAYS
+    assert goal.verdicts == ("KEEP", "DELETE")
+    assert [goal.judge(s) for s in (90e-6, 100e-6, 123e-6)] == ["DELETE", "KEEP", "KEEP"]
+    assert goal.shown == "keep if >= 100 us this run, else delete" and "reruns are not" in goal.measure
+    row = bs.engine_client_row(_hop(saves=90e-6))
+    assert (row.status, row.ratio) == ("DELETE", pytest.approx(90e-6))
+    assert row.value.endswith("; this run's figure decides, not a rerun")
+    door = bs.groups(_results(proxy_hop=_hop(saves=90e-6)))["door"]
+    assert bs.tally(door) == "5 PASS, 0 MISS, 0 KEEP, 1 DELETE, 0 not measured"
 
 
 def test_added_latency_is_judged_against_issue_45s_bound():
