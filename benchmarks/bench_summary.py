@@ -9,8 +9,9 @@ distributions direct vs nginx vs CapyCTL, and LiteLLM when it was measured) into
 With ``--docs docs/benchmarks.md`` it writes nothing into the folder: it replaces the text between
 each ``<!-- bench_summary: begin NAME -->`` and ``<!-- bench_summary: end NAME -->`` in that file
 with NAME's table from the run (``groups``: proxy, door, contention, kv_park, outside_client, hop,
-replicas)
-or of the goals (``goals``, ``goals-N`` for issue N), and leaves the text around them alone.
+replicas; a group the run did not measure too, each row "n/a" with its reason, never the block's
+older figures) or of the goals (``goals``, ``goals-N`` for issue N), and leaves the text around
+them alone.
 
 The helpers above ``main`` are pure (no I/O) and covered by tests/unit/test_bench_summary.py.
 """
@@ -669,9 +670,10 @@ def answer_ceiling(scenario: dict[str, Any], own_start: float | None) -> float |
     return batch / (batch + own_start)
 
 
-def groups(results: dict[str, Any]) -> dict[str, list[Row]]:
+def groups(results: dict[str, Any], *, every: bool = False) -> dict[str, list[Row]]:
     """The rows by the generated table of docs/benchmarks.md they make (``--docs``), in the order
-    the summary prints them."""
+    the summary prints them; with ``every``, issue 46's too from a run without replicas.py's JSON
+    (not measured)."""
     pvn = results.get("proxy_vs_nginx")
     return {
         "proxy": [*proxy_rows(pvn), wake_row(results.get("wake_vs_manual")), *rss_rows(results.get("daemon_scale"))],
@@ -683,7 +685,7 @@ def groups(results: dict[str, Any]) -> dict[str, list[Row]]:
         "hop": [*hop_rows(results.get("proxy_hop")), *litellm_rows(pvn)],
         # Issue 46's, only from a run that has replicas.py's JSON (scripts/bench writes one, an error
         # at least, whatever becomes of it); a run from before it has no such rows.
-        **({"replicas": replicas_rows(results["replicas"])} if "replicas" in results else {}),
+        **({"replicas": replicas_rows(results.get("replicas"))} if every or "replicas" in results else {}),
     }
 
 
@@ -732,7 +734,10 @@ def render_goals(issue: int | None = None) -> str:
 
 
 def render_markdown(rows: Sequence[Row], source: str) -> str:
-    """One group of a run's rows as a Markdown table, the run's folder named above it."""
+    """One group of a run's rows as a Markdown table, the run's folder named above it (a group
+    without a row: that the run measured none of it)."""
+    if not rows:
+        return f"The run in `{source}` measured none of this (`benchmarks/bench_summary.py RUN --docs`)."
     return (f"From the run in `{source}` (`benchmarks/bench_summary.py RUN --docs docs/benchmarks.md`):\n\n"
             + markdown_table(("measure", "CapyCTL", "goal", "result"), [(r.measure, r.value, r.goal, r.status)
                                                                          for r in rows])
@@ -741,9 +746,10 @@ def render_markdown(rows: Sequence[Row], source: str) -> str:
 
 def update_docs(text: str, results: dict[str, Any] | None, source: str) -> tuple[str, dict[str, str]]:
     """``text`` with every generated block written anew: the goals' from bench_goals.py, a group's from
-    ``results`` (None: the goals only). A group the run did not measure (every row n/a) keeps what
-    the block said. Returns the new text and, by block, what became of it."""
-    tables = groups(results) if results is not None else {}
+    ``results`` (None: the goals only). A group the run did not measure is written too, its rows
+    not measured with the reason: a block never keeps an older run's verdicts beside this run's
+    (issue 57). Returns the new text and, by block, what became of it."""
+    tables = groups(results, every=True) if results is not None else {}
     done: dict[str, str] = {}
 
     def block(m: re.Match) -> str:
@@ -757,12 +763,11 @@ def update_docs(text: str, results: dict[str, Any] | None, source: str) -> tuple
         elif name not in tables:
             done[name] = "kept: no such group of rows"
             return m.group(0)
-        elif all(r.status == "n/a" for r in tables[name]):
-            done[name] = "kept: " + (tables[name][0].value if tables[name] else "no rows in this run")
-            return m.group(0)
         else:
             body = render_markdown(tables[name], source)
-            done[name] = "generated"
+            measured = [r for r in tables[name] if r.status != "n/a"]
+            done[name] = "generated" if measured else "generated, not measured: " + (
+                one_line(tables[name][0].value, 200) if tables[name] else "no rows in this run")
         return f"<!-- bench_summary: begin {name} -->\n{body}\n<!-- bench_summary: end {name} -->"
 
     return MARKER.sub(block, text), done

@@ -664,7 +664,7 @@ def test_the_resident_models_p99_under_mixed_load_is_judged_against_its_latency_
 def test_docs_tables_are_written_from_a_run_folder_and_the_prose_is_left_alone(tmp_path):
     """bench_summary.py RUN --docs FILE (issue 48): each generated block anew from the run's JSON,
     the text around the blocks as it was, nothing written into the run, and a group the run did
-    not measure keeps its table."""
+    not measure written as not measured (never the run before's table)."""
     run = tmp_path / "run-1"
     run.mkdir()
     results = _results()
@@ -684,7 +684,10 @@ def test_docs_tables_are_written_from_a_run_folder_and_the_prose_is_left_alone(t
     assert sorted(p.name for p in run.iterdir()) == sorted(f"{name}.json" for name in results)
     assert text.startswith(head) and "\n\nBetween the tables.\n\n" in text and text.endswith("\nThe end.\n")
     blocks = {m.group("name"): m.group("body") for m in bs.MARKER.finditer(text)}
-    assert blocks["outside_client"] == "the run before's figures\n"
+    assert "the run before's figures" not in text
+    assert bs.parse_table(blocks["outside_client"])[1:] == [
+        [r.measure, "outside_client.py wrote no result", r.goal, "n/a"] for r in bs.outside_client_rows(None)]
+    assert blocks["outside_client"].endswith("\n\n0 PASS, 0 MISS, 2 not measured\n")
     assert blocks["proxy"].startswith("From the run in `run-1`")
     expected = bs.groups(bs.load_results(run))
     for name in ("proxy", "contention"):
@@ -698,6 +701,32 @@ def test_docs_tables_are_written_from_a_run_folder_and_the_prose_is_left_alone(t
         ["the next turn after a park: without restore against with", ">= 3x faster", "33"]]
     assert bs.main([str(run), "--docs", str(docs)]) == 0
     assert docs.read_text() == text  # a second pass changes nothing
+
+
+def test_a_group_the_run_did_not_measure_shows_not_measured_never_the_older_runs_verdicts():
+    """Issue 57: update_docs kept a block whose group was all n/a, so a benchmark that crashed left
+    the last run's PASS rows standing beside the new run's. Every group is written from the run."""
+    old = ("| measure | CapyCTL | goal | result |\n|---|---|---|---|\n| an old row | 1.0x | <= 2.0x | PASS |\n\n"
+           "1 PASS, 0 MISS, 0 not measured\n")
+    text = "".join(f"<!-- bench_summary: begin {name} -->\n{old}<!-- bench_summary: end {name} -->\n"
+                   for name in ("door", "contention", "hop", "replicas", "no_such_group"))
+    crashed = _results(contention={"error": "RuntimeError: the sandbox did not boot"}, proxy_vs_nginx=None)
+    for name in ("streams_scale", "hostile_heads", "proxy_hop", "daemon_scale"):
+        del crashed[name]  # their benchmarks wrote nothing; replicas.py is not in this run at all
+    new, done = bs.update_docs(text, crashed, "run-2")
+    blocks = {m.group("name"): m.group("body") for m in bs.MARKER.finditer(new)}
+    for name in ("door", "contention", "replicas"):
+        table = bs.parse_table(blocks[name])
+        assert table[1:] and {row[3] for row in table[1:]} == {"n/a"}, name
+        assert blocks[name].startswith("From the run in `run-2`")
+        assert blocks[name].endswith(f"\n\n0 PASS, 0 MISS, {len(table) - 1} not measured\n")
+        assert done[name].startswith("generated, not measured: ")
+    assert bs.parse_table(blocks["contention"])[1][1] == "RuntimeError: the sandbox did not boot"
+    assert bs.parse_table(blocks["replicas"])[1][1] == "replicas.py wrote no result"
+    assert blocks["hop"] == "The run in `run-2` measured none of this (`benchmarks/bench_summary.py RUN --docs`).\n"
+    # Only a block that is no group of rows at all, or a docs pass without a run, keeps its text.
+    assert blocks["no_such_group"] == old and done["no_such_group"] == "kept: no such group of rows"
+    assert bs.update_docs(text, None, "")[0] == text
 
 
 def test_a_markdown_cell_keeps_its_pipes():
