@@ -44,6 +44,14 @@ class RecordingSystemd:
         return None
 
 
+def custom_engine(name: str = "custom-x") -> Any:
+    """A custom engine's registration, as `capyctl engine add` records it (capyctl.spec.EngineSpec):
+    what a deployment naming ``name`` needs to be recorded by Controller.deploy. Nothing runs it."""
+    from capyctl.spec import EngineSpec
+
+    return EngineSpec(kind="engine", name=name, type="custom", cmd=[f"/opt/{name}/serve", "--port", "{port}"])
+
+
 @contextlib.asynccontextmanager
 async def vllm_controller(tmp_path: Path, systemd: Any,
                           config: DaemonConfig | None = None) -> AsyncIterator[tuple[Any, Path]]:

@@ -577,11 +577,6 @@ class Controller:
                 added.append(actor)
         return added
 
-    def add_deployment(self, revision: Revision) -> DeploymentActor:
-        """The actors of a recorded revision's replicas, none started; its replica 1."""
-        self._add_replicas(revision)
-        return self.replica_sets[revision.deployment].primary
-
     def replica_names(self, deployment: str) -> list[str]:
         replicas = self.replica_sets.get(deployment)
         return replicas.names() if replicas is not None else []

@@ -18,6 +18,7 @@ from capyctl.controller._hosts import OFFLINE, ONLINE, HostEntry
 from capyctl.spec import DeploymentSpec, ManifestError, parse_manifest
 from capyctl.store import Store
 from capyctl.systemd import UnitState
+from tests.controllers import custom_engine
 from tests.unit.test_hosts import NoSystemd
 
 
@@ -38,6 +39,7 @@ class HostSystemd:
 @pytest.fixture
 async def controller(tmp_path: Path):
     store = Store(tmp_path / "state.db")
+    store.put_engine(custom_engine())
     config = DaemonConfig(paths=Paths(state_dir=tmp_path / "state", runtime_dir=tmp_path / "run"))
     ctl = Controller(config, store, NoSystemd())
     ctl.hosts.entries["b"] = HostEntry("b", "ssh", state=ONLINE)
@@ -46,10 +48,10 @@ async def controller(tmp_path: Path):
     store.close()
 
 
-def _serving_on_b(ctl: Controller, on_host_loss: str) -> DeploymentActor:
+async def _serving_on_b(ctl: Controller, on_host_loss: str) -> DeploymentActor:
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b", "local"],
                           on_host_loss=on_host_loss)
-    actor = ctl.add_deployment(ctl.store.put_deployment(spec)[0])
+    actor = await ctl.deploy(spec)
     actor.state, actor.host, actor.port, actor.key, actor.launch_id = \
         DeploymentState.READY, "b", 40123, "launch-key", "launch-on-b"
     return actor
@@ -73,7 +75,7 @@ def test_the_manifest_field_is_off_by_default_and_refused_for_a_group() -> None:
 
 
 async def test_a_deployment_that_waits_answers_host_offline_and_stays(controller: Controller) -> None:
-    actor = _serving_on_b(controller, "wait")
+    actor = await _serving_on_b(controller, "wait")
     await _lose_b(controller)
     assert not actor.has_pending_commands  # nothing queued for the loss
     # The actor's queue runs in order: once a loss of a host it is not on (which changes nothing)
@@ -96,7 +98,7 @@ async def test_a_deployment_that_may_move_leaves_the_lost_host_and_wakes_elsewhe
         return self.state
 
     monkeypatch.setattr(DeploymentActor, "_do_wake", wake)
-    actor = _serving_on_b(controller, "move")
+    actor = await _serving_on_b(controller, "move")
     controller.hosts.entries["b"].state = OFFLINE
     actor.host_lost("b")
     # Queued, not yet run: a request that comes now waits for the move, not a dead connection.
@@ -114,7 +116,7 @@ async def test_a_deployment_that_may_move_leaves_the_lost_host_and_wakes_elsewhe
 
 
 async def test_a_move_leaves_a_deployment_placed_elsewhere_alone(controller: Controller) -> None:
-    actor = _serving_on_b(controller, "move")
+    actor = await _serving_on_b(controller, "move")
     actor.host = "local"  # it already runs elsewhere
     assert await actor.submit("host_lost", host="b") == DeploymentState.READY
     assert actor.launch_id == "launch-on-b"
@@ -127,7 +129,7 @@ def _unit(deployment: str, launch: str) -> UnitState:
 
 async def test_the_old_unit_of_a_deployment_that_moved_is_stopped_when_its_host_returns(
         controller: Controller) -> None:
-    actor = _serving_on_b(controller, "move")
+    actor = await _serving_on_b(controller, "move")
     actor.host, actor.launch_id = "local", "launch-on-local"  # it moved while b was lost
     stranger = UnitState(name="capyctl-admin.service", active_state="active", sub_state="running",
                          load_state="loaded")  # an admin's own unit: no markers, none of ours
@@ -141,7 +143,7 @@ async def test_the_old_unit_of_a_deployment_that_moved_is_stopped_when_its_host_
 async def test_a_moved_deployment_still_parked_is_not_adopted_back_from_its_old_unit(
         controller: Controller, monkeypatch) -> None:
     monkeypatch.setattr(DeploymentActor, "_do_wake", lambda self, **_: asyncio.sleep(0, self.state))
-    actor = _serving_on_b(controller, "move")
+    actor = await _serving_on_b(controller, "move")
     controller.hosts.entries["b"].state = OFFLINE
     actor.host_lost("b")
     await actor.submit("host_lost", host="b")  # the queue has run the first one by now
@@ -155,7 +157,7 @@ async def test_a_moved_deployment_still_parked_is_not_adopted_back_from_its_old_
 async def test_a_group_never_moves(controller: Controller) -> None:
     spec = DeploymentSpec(name="g", engine="custom-x", model={"path": "/models/m"}, hosts=["b", "local"], nodes=2,
                           tensor_parallel=2)
-    actor = controller.add_deployment(controller.store.put_deployment(spec)[0])
+    actor = await controller.deploy(spec)
     actor.state, actor.host = DeploymentState.READY, "b"
     actor.host_lost("b")
     assert not actor.has_pending_commands
@@ -192,7 +194,7 @@ async def test_a_broken_engine_connection_confirms_a_loss_without_the_poller(
         return self.state
 
     monkeypatch.setattr(DeploymentActor, "_do_wake", wake)
-    actor = _serving_on_b(controller, on_host_loss)
+    actor = await _serving_on_b(controller, on_host_loss)
     master = controller.hosts.entries["b"].ssh = Master(ending)
     assert await controller.engine_lost(actor.upstream()) is moved
     assert controller.hosts.entries["b"].online is not moved
@@ -210,7 +212,7 @@ async def test_nothing_is_placed_on_a_host_while_its_units_are_reconciled(contro
     # its reconcile is over; its bus is usable throughout.
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b", "local"],
                           on_host_loss="move")
-    actor = controller.add_deployment(controller.store.put_deployment(spec)[0])
+    actor = await controller.deploy(spec)
     seen = []
 
     class Reconciled(HostSystemd):

@@ -20,6 +20,7 @@ from capyctl.errors import CapyError
 from capyctl.hosts import HostInventory
 from capyctl.spec import DeploymentSpec
 from capyctl.store import Store
+from tests.controllers import custom_engine
 
 
 class NoSystemd:
@@ -32,6 +33,7 @@ class NoSystemd:
 @pytest.fixture
 async def controller(tmp_path: Path):
     store = Store(tmp_path / "state.db")
+    store.put_engine(custom_engine())
     config = DaemonConfig(paths=Paths(state_dir=tmp_path / "state", runtime_dir=tmp_path / "run"))
     ctl = Controller(config, store, NoSystemd())
     yield ctl
@@ -87,7 +89,7 @@ async def test_try_acquire_admits_at_once_only_what_acquire_would_admit_without_
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=ONLINE)
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"],
                           aliases=["m-alias"])
-    actor = controller.add_deployment(controller.store.put_deployment(spec)[0])
+    actor = await controller.deploy(spec)
     assert controller.try_acquire("m") is None and actor.in_flight == 0  # stopped: acquire() wakes it
     assert controller.try_acquire("nowhere") is None  # acquire() answers model_not_found
     actor.state, actor.port, actor.key = READY, 40123, "launch-key"
@@ -126,7 +128,7 @@ async def test_a_request_reads_nothing_from_the_store_once_its_launch_is_known(
     controller.store.put_engine(EngineSpec.model_validate(
         {"kind": "engine", "name": "llama", "type": "llama.cpp", "path": "/opt/llama-server"}))
     spec = DeploymentSpec(name="m", engine="llama", model={"path": "/models/m.gguf"})
-    actor = controller.add_deployment(controller.store.put_deployment(spec)[0])
+    actor = await controller.deploy(spec)
     actor.state, actor.port, actor.key, actor.launch_id = READY, 40123, "launch-key", "l1"
     reads: list[str] = []
     get_engine = controller.store.get_engine
@@ -151,8 +153,7 @@ async def test_a_request_reads_nothing_from_the_store_once_its_launch_is_known(
 async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(controller: Controller) -> None:
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=OFFLINE, reason="unreachable")
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"])
-    revision, _ = controller.store.put_deployment(spec)
-    actor = controller.add_deployment(revision)
+    actor = await controller.deploy(spec)
     with pytest.raises(CapyError) as err:
         await actor.requests.admit()
     assert err.value.code == "host_offline" and "'m'" in err.value.message and "'b'" in err.value.message
@@ -166,12 +167,12 @@ async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(cont
 
     # No hosts in the manifest: any online host; an unknown host in it is an error of its own.
     free = DeploymentSpec(name="f", engine="custom-x", model={"path": "/models/m.gguf"})
-    actor_f = controller.add_deployment(controller.store.put_deployment(free)[0])
+    actor_f = await controller.deploy(free)
     assert set(controller.cordons.allowed_hosts(actor_f)) == {LOCAL, "b"}
     controller.hosts.entries["b"].state = OFFLINE
     assert controller.cordons.allowed_hosts(actor_f) == (LOCAL,)
     typo = DeploymentSpec(name="t", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["bb"])
-    actor_t = controller.add_deployment(controller.store.put_deployment(typo)[0])
+    actor_t = await controller.deploy(typo)
     with pytest.raises(CapyError) as err:
         controller.cordons.allowed_hosts(actor_t)
     assert err.value.code == "host_not_found"
@@ -180,7 +181,7 @@ async def test_pinned_deployment_on_an_offline_host_is_refused_at_admission(cont
 async def test_remove_refused_while_a_manifest_names_the_host(controller: Controller) -> None:
     controller.hosts.entries["b"] = HostEntry("b", "ssh", state=ONLINE)
     spec = DeploymentSpec(name="m", engine="custom-x", model={"path": "/models/m.gguf"}, hosts=["b"])
-    controller.add_deployment(controller.store.put_deployment(spec)[0])
+    await controller.deploy(spec)
     with pytest.raises(CapyError) as err:
         await controller.cordons.remove_host("b")
     assert err.value.code == "host_in_use"

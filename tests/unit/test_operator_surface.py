@@ -176,15 +176,14 @@ async def cli(socket_path: str, *argv: str) -> int:
     return await asyncio.to_thread(cli_main, ["--api-socket", socket_path, *argv])
 
 
-def _deploy(controller: Controller, name: str, **fields) -> None:
+async def _deploy(controller: Controller, name: str, **fields) -> None:
     spec = DeploymentSpec.model_validate({"name": name, "engine": "llama", "model": {"path": "/m.gguf"}, **fields})
-    controller.store.put_deployment(spec)
-    controller.add_deployment(controller.store.current_revision(name))
+    await controller.deploy(spec)
 
 
 async def test_list_deployments_shows_ready_as_ready_over_desired(api, capsys) -> None:
     controller, sock = api
-    _deploy(controller, "small")
+    await _deploy(controller, "small")
     assert await cli(sock, "list", "deployments") == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["NAME", "STATE", "READY"]
@@ -196,7 +195,7 @@ async def test_list_deployments_shows_ready_as_ready_over_desired(api, capsys) -
 
 async def test_inspect_deployment_engine_and_host(api, capsys) -> None:
     controller, sock = api
-    _deploy(controller, "small", idle_park_after="5m")
+    await _deploy(controller, "small", idle_park_after="5m")
     assert await cli(sock, "inspect", "deployment", "small", "--json") == 0
     d = json.loads(capsys.readouterr().out)
     assert d["spec"]["engine"] == "llama" and d["revisions"][0]["revision"] == 1
@@ -216,7 +215,7 @@ async def test_inspect_deployment_engine_and_host(api, capsys) -> None:
 
 async def test_drain_cordons_the_host_until_uncordon(api, capsys) -> None:
     controller, sock = api
-    _deploy(controller, "small")
+    await _deploy(controller, "small")
     assert await cli(sock, "drain", "host", "local") == 0
     assert "cordoned" in capsys.readouterr().out
     # Kept in the store (a restarted daemon keeps the host closed) and refused at admission,
