@@ -123,7 +123,8 @@ SWAP_VS_OWN_START = Goal("swap_vs_own_start", 1.25, AT_MOST, "x", 47,
                          "median swap (last answer to first answer) against the engine's own start by hand",
                          "<= {:.2f}x")
 MIXED_LIGHT_P99 = Goal("mixed_light_p99", 2.0, AT_MOST, "x", 47,
-                       "the resident model's p99, asked once a second while two big ones take turns, against alone",
+                       "the resident model's p99, asked once a second while two big ones take turns, against alone "
+                       "(the slowest against the slowest where either has under 100 samples, too few for a p99)",
                        "<= {:.1f}x")
 KV_VS_WARM_PLUS_START = Goal("kv_vs_warm_plus_start", 1.0, AT_MOST, "x", 47,
                              "the next turn sent to a parked deployment, its wake included, against the warm turn "

@@ -41,15 +41,24 @@ CONTENTION_COUNTS = ((2, "two"), (3, "three"))
 STREAM_COUNTS = (1, 8, 64)
 
 
+# The samples a percentile needs to say something: one in 100 above a p99 (issue 57). Under that, the
+# p99 of a handful of samples is their largest, near enough, and the tables say so.
+P99_SAMPLES = 100
+
+
 def p95(values: Sequence[float]) -> float:
-    """The 95th percentile as the proxy benchmarks compute it (statistics.quantiles, n=20)."""
+    """The 95th percentile, as every benchmark computes it: statistics.quantiles' inclusive method,
+    between the two samples around it, never beyond the largest (the exclusive method, the default,
+    extrapolates past the largest sample where there are fewer than 20)."""
     values = list(values)
-    return statistics.quantiles(values, n=20)[-1] if len(values) >= 2 else values[0]
+    return statistics.quantiles(values, n=20, method="inclusive")[-1] if len(values) >= 2 else values[0]
 
 
 def p99(values: Sequence[float]) -> float:
+    """The 99th percentile, as p95: never beyond the largest sample (the exclusive method read
+    10.89 for the p99 of 1 to 10). From fewer than P99_SAMPLES it is near the largest: say so."""
     values = list(values)
-    return statistics.quantiles(values, n=100)[-1] if len(values) >= 2 else values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[-1] if len(values) >= 2 else values[0]
 
 
 @dataclass(frozen=True)
@@ -479,10 +488,19 @@ def mixed_rows(mixed: dict[str, Any] | None, error: str | None = None) -> list[R
         why = (mixed or {}).get("error") or error or "not measured in this run"
         return [Row(p99_measure, why, p99_goal, "n/a"), Row(failed_measure, why, failed_goal, "n/a")]
     light = mixed.get("light") or {}
-    alone = p99(mixed["light_alone_s"]) if mixed.get("light_alone_s") else None
-    r = _ratio(light.get("p99_s"), alone)
+    alone_s = mixed.get("light_alone_s") or []
+    under, alone_n = light.get("answered", 0), len(alone_s)
+    if under >= P99_SAMPLES and alone_n >= P99_SAMPLES:
+        loaded, alone, how = light.get("p99_s"), p99(alone_s), "p99"
+    else:
+        # A p99 of 10 samples alone (contention.LIGHT_ALONE_REQUESTS) and some 30 under load says
+        # nothing a slowest sample does not: the slowest against the slowest, and that said.
+        loaded, alone = light.get("max_s"), max(alone_s) if alone_s else None
+        how = (f"too few samples for a p99 ({under} under load, {alone_n} alone; it needs {P99_SAMPLES}): "
+               "the slowest against the slowest")
+    r = _ratio(loaded, alone)
     total = mixed["requests"] + light.get("requests", 0)
-    return [Row(p99_measure, f"{_x(r)} ({_ms(light.get('p99_s'))} vs {_ms(alone)} alone; "
+    return [Row(p99_measure, f"{_x(r)} ({_ms(loaded)} vs {_ms(alone)} alone, {how}; "
                              f"{light.get('answered', 0)} of {light.get('requests', 0)} answered)",
                 p99_goal, G.MIXED_LIGHT_P99.judge(r), r),
             Row(failed_measure, f"{mixed['failed']} of {total} ({_codes(mixed['failed_by_code'])}); "
@@ -507,7 +525,9 @@ def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, 
                     b["min_share"]))
     wake = b.get("one_wake_s") if b.get("one_wake_s") is not None else run_wake
     bound = wait_max + wake if wait_max is not None and wake is not None else None
-    rows.append(Row(m_p99, f"{_s(b['p99_s'])} (p50 {_s(b['p50_s'])}, max {_s(b['max_s'])}; bound "
+    few = (f"; of {b['answered']} answers, too few for a p99 ({P99_SAMPLES}): near the slowest"
+           if b["answered"] < P99_SAMPLES else "")
+    rows.append(Row(m_p99, f"{_s(b['p99_s'])} (p50 {_s(b['p50_s'])}, max {_s(b['max_s'])}{few}; bound "
                     f"{_s(wait_max)} + wake {_s(wake)})" + beside(f"p99 {_s(a['p99_s'])}" if a else ""),
                     g_p99 + (f" ({_s(bound)})" if bound is not None else ""),
                     G.CONTENTION_P99.judge(b["p99_s"], bound), b["p99_s"]))

@@ -28,7 +28,9 @@ Scenarios, all in one invocation (``--scenarios`` picks some):
 - ``two-mixed`` (issue 47): ``two-batches`` with the light client asking ``small`` once a second,
   and each deployment asking for a core of its own (``resources.cpus: 1``), so that the planner
   keeps ``small`` on cores the big ones do not compute on. Before its window, ``small`` answers
-  LIGHT_ALONE_REQUESTS requests alone: its p99 under the swaps is judged against that.
+  LIGHT_ALONE_REQUESTS requests alone: its latency under the swaps is judged against that (a
+  p99 against a p99 from 100 samples a side; under that, as at 10 alone and one a second under
+  load, the slowest against the slowest: bench_summary.mixed_rows).
 
 Each multi-model scenario also records its swaps' phases from the daemon's timelines (the "wake
 timeline" journal lines, capyctl/controller/_timeline.py) and the engine's own start by hand

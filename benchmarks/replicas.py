@@ -126,7 +126,8 @@ def p90(values: Sequence[float]) -> float | None:
     values = list(values)
     if not values:
         return None
-    return statistics.quantiles(values, n=10)[-1] if len(values) >= 2 else values[0]
+    # The inclusive method, as bench_summary.p95: never beyond the largest sample.
+    return statistics.quantiles(values, n=10, method="inclusive")[-1] if len(values) >= 2 else values[0]
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:

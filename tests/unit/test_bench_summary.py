@@ -293,9 +293,50 @@ def test_scale_lists_every_deployment():
 
 def test_percentiles():
     values = [float(i) for i in range(1, 101)]
-    assert bs.p95(values) == pytest.approx(95.95)
-    assert bs.p99(values) == pytest.approx(99.99)
+    assert bs.p95(values) == pytest.approx(95.05)
+    assert bs.p99(values) == pytest.approx(99.01)
     assert bs.p95([3.0]) == bs.p99([3.0]) == 3.0
+
+
+def test_no_percentile_reaches_past_the_largest_sample():
+    """Issue 57: statistics.quantiles' default (exclusive) method extrapolates: the p99 of 1 to 10
+    read 10.89, the p95 10.45. Every benchmark's percentile stays within its samples."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import proxy_overhead
+    replicas = load_benchmark("replicas")
+    ten = [float(i) for i in range(1, 11)]
+    for few in (ten, [0.1] * 9 + [0.2], [1.0, 2.0]):
+        for tail in (bs.p95, bs.p99, proxy_overhead.p95, replicas.p90):
+            assert min(few) <= tail(few) <= max(few), (tail, few)
+    assert bs.p99(ten) == pytest.approx(9.91) and bs.p95(ten) == pytest.approx(9.55)
+    assert replicas.p90(ten) == pytest.approx(9.1)
+
+
+def test_the_resident_models_p99_from_too_few_samples_is_the_slowest_and_says_so():
+    """Issue 57: the mixed load's "alone" p99 came from 10 samples, extrapolated past the slowest.
+    With fewer than a p99 needs on either side, the row sets the slowest against the slowest."""
+    measure = "2 models taking turns: the resident model's p99, asked once a second, vs alone"
+    mixed = _mixed(light_latency=0.3)
+    mixed["light_alone_s"] = [0.1] * 9 + [0.2]  # the exclusive p99 of these: 0.289
+    row = _by_measure(bs.contention_rows(_contention(**{"two-mixed": mixed})))[measure]
+    assert row.ratio == pytest.approx(0.3 / 0.2) and row.status == "PASS"
+    assert row.value.startswith("1.500x (300.00 ms vs 200.00 ms alone, too few samples for a p99 (30 under load, "
+                                "10 alone; it needs 100): the slowest against the slowest; 30 of 30 answered)")
+    # Enough on both sides: p99 against p99, within the samples.
+    many = _mixed(light_latency=0.3)
+    records = [["light", "small", 0.0, 0.3, 200, None]] * 99 + [["light", "small", 0.0, 0.5, 200, None]]
+    many["light"] = contention.summarize(records, ["big-1", "big-2"], 40.0)["light"]
+    many["light_alone_s"] = [0.1] * 99 + [0.2]
+    row = _by_measure(bs.contention_rows(_contention(**{"two-mixed": many})))[measure]
+    assert row.ratio == pytest.approx(bs.p99([0.3] * 99 + [0.5]) / bs.p99([0.1] * 99 + [0.2]))
+    assert ", p99; 100 of 100 answered" in row.value
+
+
+def test_a_contention_p99_of_few_answers_says_it_is_near_the_slowest():
+    few = _scenario({"big-1": 40, "big-2": 40}, latency=2.0, wakes=8)
+    rows = _by_measure(bs.contention_rows(_contention(**{"two-batches": few})))
+    assert "of 80 answers, too few for a p99 (100): near the slowest" in rows["2 models on room for one: p99 latency"].value
+    assert "too few" not in rows["3 models on room for one: p99 latency"].value  # 255 answers
 
 
 def test_main_writes_summary_and_chart(tmp_path, capsys):
