@@ -11,9 +11,8 @@ engine would have queued them behind its busy slots anyway.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from .router import Upstream
 
@@ -60,25 +59,6 @@ class EngineConnectionLimits:
                 bound.users -= 1
                 bound.semaphore.release()
         return release
-
-    @contextlib.asynccontextmanager
-    async def exchange(self, upstream: Upstream) -> AsyncIterator[None]:
-        """Hold one of ``upstream``'s connections for the exchange inside."""
-        release = await self.acquire(upstream)
-        try:
-            yield
-        finally:
-            release()
-
-    def users(self, upstream: Upstream) -> int:
-        """Exchanges with ``upstream`` now, those waiting for a connection included."""
-        bound = self._bounds.get(upstream.base_url)
-        return bound.users if bound is not None else 0
-
-    @property
-    def kept(self) -> int:
-        """Engine launches with a bound kept now."""
-        return len(self._bounds)
 
     def _bound(self, base_url: str, limit: int) -> _Bound:
         bound = self._bounds.get(base_url)
