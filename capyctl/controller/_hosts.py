@@ -206,12 +206,15 @@ class HostRegistry:
         await _several_at_once(connect, entries)
         self._poll_task = asyncio.create_task(self._poll_loop(), name="host-poller")
 
-    def refresh_remembered(self) -> None:
+    def refresh_remembered(self) -> asyncio.Task | None:
         """Read again, in the background, each online host's inventory that ``start`` took from the
-        store (its GPUs or RAM may have changed while no daemon watched)."""
+        store (its GPUs or RAM may have changed while no daemon watched). The task reading them,
+        done when every one is read or left (``close`` cancels it); None when none was stale."""
         stale = [e for e in self.entries.values() if e.remote and e.online and e.info_remembered]
-        if stale:
-            self._refresh_task = asyncio.create_task(self._refresh(stale), name="host-inventories")
+        if not stale:
+            return None
+        self._refresh_task = asyncio.create_task(self._refresh(stale), name="host-inventories")
+        return self._refresh_task
 
     async def _refresh(self, entries: list[HostEntry]) -> None:
         async def refresh(entry: HostEntry) -> None:

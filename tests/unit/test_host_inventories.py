@@ -40,7 +40,8 @@ async def _until(condition, what: str) -> None:
 
 
 class FakeSsh:
-    """A host's SshHost as the registry uses it at start: the handshake waits for ``gate``."""
+    """A host's SshHost as the registry uses it: the handshake waits for ``gate``, and a look at
+    the master (``alive``) for ``looking``; ``reachable`` False is a host whose master is gone."""
 
     def __init__(self, name: str, *, reachable: bool = True) -> None:
         self.name = name
@@ -48,6 +49,9 @@ class FakeSsh:
         self.gate = asyncio.Event()
         self.gate.set()
         self.in_handshake = False
+        self.looking = asyncio.Event()
+        self.looking.set()
+        self.in_look = False
         self.closed = False
 
     async def start(self) -> None:
@@ -63,7 +67,15 @@ class FakeSsh:
         return f"/run/test/{self.name}.bus"
 
     async def alive(self) -> bool:
+        self.in_look = True
+        try:
+            await self.looking.wait()
+        finally:
+            self.in_look = False
         return self.reachable
+
+    async def ends_within(self, seconds: float) -> bool:
+        return not self.reachable
 
     async def close(self) -> None:
         self.closed = True
@@ -76,7 +88,7 @@ class FakeBus:
 
 class Registry:
     """A HostRegistry over a real store, its SSH and D-Bus stood in for, and what it tells the
-    controller (``on_resources``) and reads over SSH (``remote_host_info``) recorded."""
+    controller (``on_resources``, ``on_offline``) and reads over SSH (``remote_host_info``) recorded."""
 
     def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.store = Store(tmp_path / "state.db")
@@ -86,12 +98,16 @@ class Registry:
         self.answers: dict[str, dict | CapyError] = {}
         self.holds: dict[str, asyncio.Event] = {}  # a read of the host's inventory waits for its event
         self.reading: set[str] = set()
+        self.offline: list[str] = []  # on_offline's calls, by host
 
-        async def no_event(name: str) -> None:
-            raise AssertionError("no host goes offline or online in these tests")
+        async def went_offline(name: str) -> None:
+            self.offline.append(name)
+
+        async def no_reconnect(name: str) -> None:
+            raise AssertionError("no host comes back online in these tests")
 
         self.registry = HostRegistry(self.store, tmp_path / "run", NoSystemd(), ram_reserve=GIB,
-                                     on_offline=no_event, on_online=no_event,
+                                     on_offline=went_offline, on_online=no_reconnect,
                                      on_resources=lambda name, res: self.resources.append(res))
         monkeypatch.setattr(self.registry, "_ssh_for", lambda record: self.ssh.setdefault(record.name,
                                                                                           FakeSsh(record.name)))
@@ -212,8 +228,7 @@ async def test_start_reads_the_inventory_of_a_host_the_store_has_none_for(hosts:
     entry = hosts.entry("a")
     assert hosts.asked == ["a"] and entry.online and not entry.info_remembered
     assert hosts.store.host_inventory("a")[0] == _info("node-a", 48)  # kept for the next start
-    hosts.registry.refresh_remembered()
-    assert hosts.registry._refresh_task is None  # nothing stale: nothing to read again
+    assert hosts.registry.refresh_remembered() is None  # nothing stale: nothing to read again
 
 
 # -- refresh_remembered ------------------------------------------------------------------------------
@@ -226,8 +241,7 @@ async def test_refresh_reads_remembered_inventories_again_in_the_background(host
     hosts.resources.clear()
     hosts.answers = {"a": _info("new-a", 128), "b": _info("new-b", 96)}
     hosts.holds = {"a": asyncio.Event(), "b": asyncio.Event()}
-    hosts.registry.refresh_remembered()
-    task = hosts.registry._refresh_task
+    task = hosts.registry.refresh_remembered()
     assert task is not None and not task.done()  # returns at once; the reads go on
     await _until(lambda: hosts.reading == {"a", "b"}, "both hosts read at once")
     assert hosts.entry("a").info == _info("old-a", 64) and hosts.entry("a").info_remembered
@@ -253,8 +267,7 @@ async def test_a_host_whose_inventory_cannot_be_read_again_keeps_its_last_one(ho
     hosts.resources.clear()
     hosts.answers = {"a": _info("new-a", 128),
                      "b": CapyError("ssh to b: timed out", code="ssh_timeout", status=504)}
-    hosts.registry.refresh_remembered()
-    await hosts.registry._refresh_task  # the failure stays inside: the task ends well
+    await hosts.registry.refresh_remembered()  # the failure stays inside: the task ends well
     b = hosts.entry("b")
     assert b.online and b.info == _info("old-b", 32) and b.info_read_at == read_at
     assert b.info_remembered  # still the last daemon's
@@ -265,15 +278,16 @@ async def test_a_host_whose_inventory_cannot_be_read_again_keeps_its_last_one(ho
 
 
 async def test_refresh_reads_only_online_hosts_that_still_have_a_remembered_inventory(hosts: Registry) -> None:
-    for name in ("on", "off", "fresh"):
+    for name in ("on", "off"):
         hosts.record(name, _info(name, 8))
+    hosts.record("fresh")  # the store kept no inventory: start reads it
+    hosts.answers = {"fresh": _info("fresh", 8), "on": _info("on", 16)}
     await hosts.registry.start()
-    HostRegistry._enter(hosts.entry("off"), OFFLINE, "the SSH connection was lost")  # lost since
-    hosts.entry("fresh").info_remembered = False  # read since (a reconnect, say)
-    hosts.answers = {"on": _info("on", 16)}
-    hosts.registry.refresh_remembered()
-    await hosts.registry._refresh_task
-    assert hosts.asked == ["on"]  # not the offline host, not the fresh one, not local
+    assert hosts.asked == ["fresh"]
+    hosts.ssh["off"].reachable = False  # lost since: an engine connection there broke
+    assert await hosts.registry.confirm_lost("off") and hosts.offline == ["off"]
+    await hosts.registry.refresh_remembered()
+    assert hosts.asked == ["fresh", "on"]  # not the offline host, not the fresh one again, not local
     off = hosts.entry("off")
     assert off.state == OFFLINE and off.info == _info("off", 8) and off.info_remembered
 
@@ -281,19 +295,23 @@ async def test_refresh_reads_only_online_hosts_that_still_have_a_remembered_inve
 async def test_a_host_lost_before_its_refresh_is_left_to_its_reconnect(hosts: Registry) -> None:
     hosts.record("a", _info("old-a", 64))
     await hosts.registry.start()
-    entry = hosts.entry("a")
+    entry, ssh = hosts.entry("a"), hosts.ssh["a"]
     hosts.answers = {"a": _info("new-a", 128)}
-    lock = hosts.registry._lock("a")
-    await lock.acquire()  # the poller holds the host: it is finding the master gone
-    hosts.registry.refresh_remembered()
-    task = hosts.registry._refresh_task
+    # An engine connection on a broke and its master is gone: confirm_lost holds the host while it
+    # looks at the master (the poller would do the same), and the look is held here.
+    ssh.reachable = False
+    ssh.looking.clear()
+    lost = asyncio.create_task(hosts.registry.confirm_lost("a"))
+    await _until(lambda: ssh.in_look, "the master being looked at")
+    task = hosts.registry.refresh_remembered()
+    assert task is not None  # a was online with its remembered inventory when it was asked
     for _ in range(20):
         await asyncio.sleep(0)
-    assert not task.done() and hosts.asked == []  # the refresh waits for the host's lock
-    HostRegistry._enter(entry, OFFLINE, "the SSH connection was lost")
-    lock.release()
+    assert not task.done() and hosts.asked == []  # the refresh waits for the host
+    ssh.looking.set()
+    assert await lost and hosts.offline == ["a"]
     await task
-    assert hosts.asked == [] and entry.info == _info("old-a", 64)
+    assert entry.state == OFFLINE and hosts.asked == [] and entry.info == _info("old-a", 64)
     assert hosts.store.host_inventory("a")[0] == _info("old-a", 64)
 
 
@@ -302,25 +320,32 @@ async def test_close_stops_a_refresh_in_flight(hosts: Registry) -> None:
     await hosts.registry.start()
     hosts.answers = {"a": _info("new-a", 128)}
     hosts.holds = {"a": asyncio.Event()}  # never set: the host does not answer
-    hosts.registry.refresh_remembered()
-    task = hosts.registry._refresh_task
+    task = hosts.registry.refresh_remembered()
     await _until(lambda: hosts.reading == {"a"}, "the read under way")
     await hosts.registry.close()
     assert task.cancelled() and hosts.ssh["a"].closed
     assert hosts.entry("a").info == _info("old-a", 64)
 
 
-async def test_a_refresh_after_a_reconnect_changes_nothing(hosts: Registry) -> None:
-    # The poller's reconnect read the inventory afresh (info_remembered is False by then): the
-    # refresh queued before it must not read it once more.
+async def test_an_inventory_read_afresh_while_a_refresh_waited_is_not_read_again(hosts: Registry) -> None:
+    # A refresh waits for the host (its lock) behind whatever holds it: the poller's reconnect,
+    # which reads the inventory afresh, or here a refresh asked before it. Once the host is its
+    # own, it reads only what is still the last daemon's.
     hosts.record("a", _info("old-a", 64))
     await hosts.registry.start()
     entry = hosts.entry("a")
-    lock = hosts.registry._lock("a")
-    await lock.acquire()
-    hosts.registry.refresh_remembered()
-    hosts.registry._set_info(entry, _info("reconnect-a", 80), 123.0)  # what _connect did meanwhile
-    lock.release()
-    await hosts.registry._refresh_task
-    assert hosts.asked == [] and entry.info == _info("reconnect-a", 80) and entry.info_read_at == 123.0
+    hosts.answers = {"a": _info("new-a", 128)}
+    hosts.holds = {"a": asyncio.Event()}
+    first = hosts.registry.refresh_remembered()
+    await _until(lambda: hosts.reading == {"a"}, "the first read under way, the host held")
+    second = hosts.registry.refresh_remembered()
+    assert second is not None  # asked while a's inventory was still the remembered one
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not second.done() and hosts.asked == ["a"]  # the second waits for the host
+    hosts.holds["a"].set()
+    await first
+    read_at = entry.info_read_at
+    await second
+    assert hosts.asked == ["a"] and entry.info == _info("new-a", 128) and entry.info_read_at == read_at
     assert entry.state == ONLINE
