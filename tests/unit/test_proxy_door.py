@@ -1,7 +1,8 @@
 """The proxy's door (capyctl/proxy/_door.py): its limits on client connections, spoken to over raw
 loopback sockets against the proxy app served as the daemon serves it (``serve(..., door=...)``).
 
-The head deadline is awaited as the event it is (the 408 and the close), never timed; where a test
+The head deadline is awaited as the event it is (the 408 and the close), never timed; that it did
+not come early is read on the loop's own clock, the one the door's timer runs on; where a test
 must show that something was *not* cut at the deadline, another connection's 408, opened later,
 shows that the deadline has passed. Client addresses are told apart by binding the clients'
 sockets to other loopback addresses (127.0.0.2, 127.0.0.3...). Each test runs on asyncio's loop
@@ -131,20 +132,29 @@ async def closed_by_the_door(reader: asyncio.StreamReader, status: int, code: st
 
 # ---------------------------------------------------------------- the head deadline
 
+async def closed_at_the_deadline(proxy: Door, head: bytes, head_timeout: float) -> None:
+    """A connection that sends ``head`` (never a whole one) gets the door's 408 and is closed, not
+    before ``head_timeout`` from its start on the loop's clock (the door's deadline is a timer of
+    that loop, armed as the connection is accepted: after the test reads the clock)."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    reader, writer = await proxy.connect()
+    writer.write(head)
+    await closed_by_the_door(reader, 408, "request_head_timeout")
+    # (A 1 ms margin: uvloop's clock counts whole milliseconds, read as floats.)
+    assert loop.time() - started >= head_timeout - 0.001, "answered before the deadline"
+    writer.close()
+
+
 async def test_a_half_head_is_answered_408_and_closed_at_the_deadline() -> None:
     async with door(head_timeout=0.3) as proxy:
-        reader, writer = await proxy.connect()
-        writer.write(HALF_HEAD)
-        await closed_by_the_door(reader, 408, "request_head_timeout")
+        await closed_at_the_deadline(proxy, HALF_HEAD, 0.3)
         await eventually(lambda: proxy.site.open_connections == 0, "the closed connection counted out")
-        writer.close()
 
 
 async def test_a_connection_that_sends_nothing_is_closed_at_the_deadline() -> None:
     async with door(head_timeout=0.3) as proxy:
-        reader, writer = await proxy.connect()
-        await closed_by_the_door(reader, 408, "request_head_timeout")
-        writer.close()
+        await closed_at_the_deadline(proxy, b"", 0.3)
 
 
 async def test_the_next_heads_deadline_runs_from_its_first_byte_and_an_idle_connection_is_left_to_keepalive() -> None:
