@@ -23,7 +23,7 @@ PASS_MISS = ("PASS", "MISS")
 @dataclass(frozen=True)
 class Goal:
     name: str  # the key, in GOALS
-    bound: float | None  # in ``unit``; None where the run sets it (the contention p99: wait_max + one wake)
+    bound: float | None  # in ``unit``; None where the run sets it (the contention p99: contention_p99_bound)
     holds: str  # AT_MOST, AT_LEAST or EXACTLY: the figure against the bound
     unit: str  # of the bound and the figure judged: "s", "bytes", "x", "share", "count", "requests/s", "% core"
     issue: int  # the issue that set it
@@ -111,8 +111,26 @@ CONTENTION_FAILED = Goal("contention_failed", 0, AT_MOST, "count", 31, "models t
                          "<= {:.0f}")
 CONTENTION_SHARE = Goal("contention_share", 0.2, AT_LEAST, "share", 31,
                         "models taking turns: each model's share of the answers", ">= {:.2f}")
-CONTENTION_P99 = Goal("contention_p99", None, AT_MOST, "s", 31, "models taking turns: p99 latency of answered requests",
-                      "<= wait_max + one wake")
+# The p99's bound is the run's own (contention_p99_bound): what the turns promise a request whose model
+# is parked. It waits at most one quantum (the resident keeps taking new requests that long), then,
+# for each model ahead of it, that model's last answer of its batch and one swap. It was wait_max plus
+# one wake, 30.7 s against some 3 s measured: it could not fail (issue 57).
+CONTENTION_P99 = Goal("contention_p99", None, AT_MOST, "s", 31,
+                      "models taking turns: p99 latency of answered requests, against the turns' promise: one "
+                      "quantum, then for each other model one answer (the one-model run's p99) and one swap "
+                      "(the scenario's median, last answer to first answer)",
+                      "<= quantum + (one-model p99 + one swap) per other model")
+
+
+def contention_p99_bound(models: int, quantum_s: float | None, one_p99_s: float | None,
+                         swap_s: float | None) -> float | None:
+    """CONTENTION_P99's bound in a run of ``models`` models taking turns: its ``swap.quantum``, the
+    one-model run's p99 and the median swap, in seconds; None without one of them."""
+    if models < 2 or quantum_s is None or one_p99_s is None or swap_s is None:
+        return None
+    return quantum_s + (models - 1) * (one_p99_s + swap_s)
+
+
 CONTENTION_ANSWERS = Goal("contention_answers", 0.5, AT_LEAST, "x", 31,
                           "models taking turns: answers against the same clients on one resident model", ">= {:.2f}x")
 # Issue 47.

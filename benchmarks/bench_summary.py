@@ -453,9 +453,10 @@ def contention_rows(contention: dict[str, Any] | None) -> list[Row]:
         return [Row(m, why, g, "n/a") for n, _ in CONTENTION_COUNTS for m, g in measures(n)] + mixed_rows(None, why)
     ok = {name: s for name, s in scenarios.items() if not s.get("error")}
     one = ok.get("one")
-    wait_max = contention.get("wait_max_s")
-    all_wakes = [w for s in ok.values() for w in s.get("wake_s") or []]
-    run_wake = statistics.median(all_wakes) if all_wakes else None
+    quantum = contention.get("quantum_s")
+    # A scenario without a swap of its own (one whose swaps all failed) is held to the run's median swap.
+    all_swaps = [s["swap_phases_s"]["swap"] for s in ok.values() if (s.get("swap_phases_s") or {}).get("swap")]
+    run_swap = statistics.median(all_swaps) if all_swaps else None
     rows: list[Row] = []
     if one:
         rows.append(Row("one resident model, same clients (the upper bound)",
@@ -467,7 +468,7 @@ def contention_rows(contention: dict[str, Any] | None) -> list[Row]:
             why = (batches or {}).get("error") or "not measured in this run"
             rows += [Row(m, why, g, "n/a") for m, g in measures(n)]
         else:
-            rows += _contention_goal_rows(n, measures(n), batches, arrival, one, wait_max, run_wake)
+            rows += _contention_goal_rows(n, measures(n), batches, arrival, one, quantum, run_swap)
         if arrival:
             a = arrival
             rows.append(Row(f"{n} models on room for one, arrival order (baseline)",
@@ -509,7 +510,7 @@ def mixed_rows(mixed: dict[str, Any] | None, error: str | None = None) -> list[R
 
 
 def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, Any], a: dict[str, Any] | None,
-                          one: dict[str, Any] | None, wait_max: float | None, run_wake: float | None) -> list[Row]:
+                          one: dict[str, Any] | None, quantum: float | None, run_swap: float | None) -> list[Row]:
     (m_failed, g_failed), (m_share, g_share), (m_p99, g_p99), (m_answers, g_answers), (m_swap, g_swap) = measures
     beside = (lambda text: f"; arrival order {text}") if a else (lambda text: "")
     failed_states = sorted(name for name, st in (b.get("states") or {}).items() if st and st[0] == "failed")
@@ -523,12 +524,15 @@ def _contention_goal_rows(n: int, measures: list[tuple[str, str]], b: dict[str, 
                     + beside(f"{a['min_share']:.2f}, {a['wakes']} swaps" if a else ""), g_share,
                     G.CONTENTION_SHARE.judge(b["min_share"] if b["answered"] else None),
                     b["min_share"]))
-    wake = b.get("one_wake_s") if b.get("one_wake_s") is not None else run_wake
-    bound = wait_max + wake if wait_max is not None and wake is not None else None
+    swap = (b.get("swap_phases_s") or {}).get("swap") or run_swap
+    one_p99 = one.get("p99_s") if one else None
+    bound = G.contention_p99_bound(n, quantum, one_p99, swap)
     few = (f"; of {b['answered']} answers, too few for a p99 ({P99_SAMPLES}): near the slowest"
            if b["answered"] < P99_SAMPLES else "")
-    rows.append(Row(m_p99, f"{_s(b['p99_s'])} (p50 {_s(b['p50_s'])}, max {_s(b['max_s'])}{few}; bound "
-                    f"{_s(wait_max)} + wake {_s(wake)})" + beside(f"p99 {_s(a['p99_s'])}" if a else ""),
+    rows.append(Row(m_p99, f"{_s(b['p99_s'])} (p50 {_s(b['p50_s'])}, max {_s(b['max_s'])}{few}; bound: quantum "
+                    f"{_s(quantum)} + {n - 1} x (one-model p99 {_s(one_p99)} + swap {_s(swap)})"
+                    + ("" if bound is not None else ", not all measured") + ")"
+                    + beside(f"p99 {_s(a['p99_s'])}" if a else ""),
                     g_p99 + (f" ({_s(bound)})" if bound is not None else ""),
                     G.CONTENTION_P99.judge(b["p99_s"], bound), b["p99_s"]))
     r = _ratio(b["answered"], one["answered"]) if one else None

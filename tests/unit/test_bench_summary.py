@@ -569,7 +569,8 @@ def test_contention_rows_pass_within_the_goals_and_show_arrival_order_beside():
         assert {rows[f"{n} models on room for one: {w}"].status for w in (
             "failed requests", "smallest share of answers", "p99 latency", "answers vs one model")} == {"PASS"}
     p99 = rows["2 models on room for one: p99 latency"]
-    assert p99.goal == "<= wait_max + one wake (30.40 s)" and p99.ratio == pytest.approx(2.0)
+    assert p99.goal == "<= quantum + (one-model p99 + one swap) per other model (6.50 s)"
+    assert p99.ratio == pytest.approx(2.0)
     assert rows["2 models on room for one: answers vs one model"].ratio == pytest.approx(290 / 400)
     assert "arrival order 0.200x" in rows["2 models on room for one: answers vs one model"].value
     baseline = rows["2 models on room for one, arrival order (baseline)"]
@@ -586,19 +587,47 @@ def test_the_issues_failure_misses_its_goals_and_names_the_code():
     assert failed.status == "MISS" and failed.ratio == 610
     assert "610 503 wake_failed" in failed.value and "left failed: big-2" in failed.value
     assert rows["2 models on room for one: smallest share of answers"].status == "MISS"
-    # No wake in that scenario: the goal's wake is the run's median wake (0.4 s in the others).
-    assert rows["2 models on room for one: p99 latency"].goal.endswith("(30.40 s)")
+    # No swap in that scenario: the bound's swap is the run's median swap (1.0 s in the others).
+    assert rows["2 models on room for one: p99 latency"].goal.endswith("(6.50 s)")
 
 
 def test_a_slow_tail_or_too_few_answers_miss():
-    slow = _scenario({"big-1": 100, "big-2": 90}, latency=31.0, wakes=4, one_wake=0.5)
+    slow = _scenario({"big-1": 100, "big-2": 90}, latency=6.51, wakes=4, one_wake=0.5)
     rows = _by_measure(bs.contention_rows(_contention(**{"two-batches": slow})))
-    assert rows["2 models on room for one: p99 latency"].status == "MISS"  # 31 s > 30 + 0.5
+    assert rows["2 models on room for one: p99 latency"].status == "MISS"  # 6.51 s > 5 + (0.5 + 1.0)
     assert rows["2 models on room for one: answers vs one model"].status == "MISS"  # 190 / 400 < 0.5
-    at_bound = _scenario({"big-1": 100, "big-2": 100}, latency=30.5, wakes=4, one_wake=0.5)
+    at_bound = _scenario({"big-1": 100, "big-2": 100}, latency=6.5, wakes=4, one_wake=0.5)
     rows = _by_measure(bs.contention_rows(_contention(**{"two-batches": at_bound})))
     assert rows["2 models on room for one: p99 latency"].status == "PASS"
     assert rows["2 models on room for one: answers vs one model"].status == "PASS"  # exactly 0.5x
+
+
+def test_the_contention_p99_bound_is_the_runs_own_quantum_answer_and_swap_and_can_fail():
+    """Issue 57: the bound was wait_max (30 s, set by the benchmark) plus a wake, some 10x what runs
+    measure, so it could not fail. It is now what the turns promise a request whose model is parked,
+    from the run's own figures: one quantum, then for each other model one answer (the one-model
+    run's p99) and one swap (the scenario's median)."""
+    assert bs.G.contention_p99_bound(2, 5.0, 0.5, 1.0) == pytest.approx(6.5)
+    assert bs.G.contention_p99_bound(3, 5.0, 0.5, 1.0) == pytest.approx(8.0)
+    assert bs.G.contention_p99_bound(2, 5.0, None, 1.0) is None and bs.G.contention_p99_bound(1, 5.0, 0.5, 1.0) is None
+    # A p99 of 8 s with two models: far under the old 30.4 s, over the turns' 5 + 0.5 + 1.0 s.
+    stuck = _scenario({"big-1": 150, "big-2": 140}, latency=8.0, wakes=8, swap=1.0)
+    rows = _by_measure(bs.contention_rows(_contention(**{"two-batches": stuck})))
+    row = rows["2 models on room for one: p99 latency"]
+    assert (row.status, row.ratio) == ("MISS", pytest.approx(8.0))
+    assert row.goal == "<= quantum + (one-model p99 + one swap) per other model (6.50 s)"
+    assert "; bound: quantum 5.00 s + 1 x (one-model p99 0.50 s + swap 1.00 s))" in row.value
+    assert rows["3 models on room for one: p99 latency"].goal.endswith("(8.00 s)")  # 5 + 2 x 1.5
+    # wait_max plays no part; a longer quantum or slower swap than the run's own moves it.
+    for quantum, swap, bound in ((30.0, 1.0, "(31.50 s)"), (5.0, 3.0, "(8.50 s)")):
+        found = _contention(**{"two-batches": _scenario({"big-1": 150, "big-2": 140}, latency=2.0, wakes=8, swap=swap)})
+        found.update(quantum_s=quantum, wait_max_s=600.0)
+        assert _by_measure(bs.contention_rows(found))["2 models on room for one: p99 latency"].goal.endswith(bound)
+    # Without the one-model run, no bound: not judged, and said so.
+    alone = _contention()
+    del alone["scenarios"]["one"]
+    row = _by_measure(bs.contention_rows(alone))["2 models on room for one: p99 latency"]
+    assert row.status == "n/a" and "one-model p99 n/a" in row.value and "not all measured" in row.value
 
 
 def test_contention_not_run_or_failed_is_n_a_with_the_reason():
