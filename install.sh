@@ -36,7 +36,8 @@ Usage: install.sh [OPTIONS]
        install.sh --uninstall [--purge] [OPTIONS]
 
 Install CapyCTL from this checkout ($SRC):
-  - a virtual environment at PREFIX with CapyCTL and its dependencies (pip),
+  - a virtual environment at PREFIX with CapyCTL and its dependencies at the versions
+    lock/py3.X/runtime.txt pins for PYTHON, every file's hash checked (pip),
   - the link BIN_DIR/capyctl,
   - the systemd units from units/ into UNIT_DIR, sysusers.d and tmpfiles.d entries
     (then systemd-sysusers and systemd-tmpfiles --create, or groupadd/useradd and mkdir),
@@ -58,7 +59,8 @@ Options:
                         tmpfiles.d under /usr/lib (give --unit-dir after it to change one)
   --python PYTHON       interpreter for the environment, 3.11 or newer (default $PYTHON)
   --wheelhouse DIR      install offline from wheels in DIR (pip --no-index --find-links DIR);
-                        repeatable. DIR needs CapyCTL's dependencies, setuptools>=77 and wheel.
+                        repeatable. DIR needs the files lock/build.txt and lock/py3.X/runtime.txt
+                        name (packaging/wheelhouse.sh fills it); their hashes are checked.
   --no-start            install, but do not enable or start capyctl.socket
   --uninstall           remove what an install made; keeps $STATE_DIR
   --purge               with --uninstall: remove $STATE_DIR too (models, keys, state database)
@@ -156,25 +158,61 @@ pip_install() {
   "$venv/bin/python" -m pip "$command" "${args[@]}" "$@"
 }
 
-install_project() {
-  local venv build wheel
+# The lock for the environment's Python (scripts/lock writes one per supported Python).
+lock_file() {
+  local venv minor
   venv=$(dest "$PREFIX")
+  minor=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  [ -f "$SRC/lock/py$minor/runtime.txt" ] || die "no lock for Python $minor in $SRC/lock (it has \
+$(cd "$SRC/lock" && ls -d py* | sed 's/^py//' | tr '\n' ' ')); give --python one of those"
+  echo "$SRC/lock/py$minor/runtime.txt"
+}
+
+install_project() {
+  local venv build wheel lock
+  venv=$(dest "$PREFIX")
+  lock=$(lock_file)
   build=$(mktemp -d)
   # shellcheck disable=SC2064
   trap "rm -rf '$build'" EXIT
+  # Exactly the locked releases, each file's hash checked (a file the lock does not name is
+  # refused, from the index or a wheelhouse alike). --no-deps: the lock holds every dependency.
+  say "installing pip, setuptools and wheel from lock/build.txt"
+  pip_install "$venv" install --require-hashes --no-deps -r "$SRC/lock/build.txt" >&2 \
+    || die "pip could not install lock/build.txt (offline? give --wheelhouse; packaging/wheelhouse.sh fills one)"
   # Build from a copy: the checkout may be read-only and may hold others' build leftovers.
   tar -C "$SRC" --exclude=.venv --exclude=.git --exclude='*.egg-info' --exclude=build --exclude=dist \
       --exclude=__pycache__ --exclude=.pytest_cache --exclude=.hypothesis \
       -cf - pyproject.toml README.md capyctl | tar -C "$build" -xf -
   [ -f "$SRC/LICENSE" ] && cp "$SRC/LICENSE" "$build/"
   say "building the CapyCTL $(version_of_checkout) wheel"
-  pip_install "$venv" wheel --no-deps --wheel-dir "$build/dist" "$build" >&2 \
-    || die "building the CapyCTL wheel failed (offline? give --wheelhouse with setuptools>=77 and wheel)"
+  # With the locked setuptools just installed, not one fetched for an isolated build.
+  pip_install "$venv" wheel --no-deps --no-build-isolation --wheel-dir "$build/dist" "$build" >&2 \
+    || die "building the CapyCTL wheel failed"
   wheel=$(ls "$build"/dist/capyctl-*.whl)
-  say "installing CapyCTL and its dependencies into $PREFIX"
-  pip_install "$venv" install --upgrade "$wheel" >&2 || die "pip could not install CapyCTL's dependencies"
+  say "installing CapyCTL's dependencies from ${lock#"$SRC/"} into $PREFIX"
+  pip_install "$venv" install --require-hashes --no-deps -r "$lock" >&2 \
+    || die "pip could not install ${lock#"$SRC/"} (offline? give --wheelhouse; packaging/wheelhouse.sh fills one)"
   # Same version, new code: make sure this build is the one installed.
   pip_install "$venv" install --force-reinstall --no-deps "$wheel" >&2
+  # An upgrade in place leaves what an older lock named: remove every distribution this lock and
+  # lock/build.txt do not name, so the environment is the lock.
+  local stale
+  stale=$("$venv/bin/python" - "$lock" "$SRC/lock/build.txt" <<'PY'
+import importlib.metadata, re, sys
+def canon(name): return re.sub(r"[-_.]+", "-", name).lower()
+keep = {"capyctl"}
+for path in sys.argv[1:]:
+    keep |= {canon(m[1]) for m in re.finditer(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", open(path).read(), re.M)}
+print(" ".join(sorted({d.metadata["Name"] for d in importlib.metadata.distributions() if canon(d.metadata["Name"]) not in keep})))
+PY
+)
+  if [ -n "$stale" ]; then
+    say "removing what the lock no longer names: $stale"
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pip uninstall --disable-pip-version-check --no-input -q -y $stale >&2
+  fi
+  "$venv/bin/python" -m pip check >&2 || die "the installed environment is inconsistent (pip check above)"
   rm -rf "$build"
   trap - EXIT
 }
