@@ -18,8 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from tests.components import missing, require_root
+from tests.locks import LOCK, locked_versions
 
 pytestmark = pytest.mark.sandbox
 
@@ -191,6 +194,24 @@ printf '%s\n' "${COMPREPLY[@]}"
     return [w.strip() for w in out.stdout.splitlines() if w.strip()]
 
 
+def _environment_versions(box: Sandbox, python: str) -> dict[str, Version]:
+    """Every distribution in the environment of PYTHON, but CapyCTL itself, as pip freeze --all lists them."""
+    code = ("import importlib.metadata as m\n"
+            "for d in m.distributions(): print(d.metadata['Name'], d.version)\n")
+    found = {}
+    for line in box.sh(python, "-c", code).stdout.splitlines():
+        name, version = line.split()
+        if canonicalize_name(name) != "capyctl":
+            found[canonicalize_name(name)] = Version(version)
+    return found
+
+
+def _locked_for(box: Sandbox, python: str) -> dict[str, Version]:
+    """What lock/ pins for the installed package's Python: its runtime.txt and build.txt."""
+    minor = box.sh(python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])").stdout.strip()
+    return locked_versions(LOCK / "build.txt", LOCK / f"py{minor}" / "runtime.txt")
+
+
 def test_deb_installs_serves_completes_and_purges(clean_machine: None, deb: Path, sandbox: Sandbox) -> None:
     installed = False
     try:
@@ -200,6 +221,8 @@ def test_deb_installs_serves_completes_and_purges(clean_machine: None, deb: Path
         installed = True
         assert out.returncode == 0, f"apt-get install failed:\n{out.stdout}\n{out.stderr}"
         assert "ok installed" in sandbox.sh("dpkg-query", "-W", "-f=${Status}", "capyctl").stdout
+        # The package's environment holds exactly the releases the lock pins for its Python.
+        assert _environment_versions(sandbox, "/opt/capyctl/bin/python") == _locked_for(sandbox, "/usr/bin/python3")
 
         # postinst enabled and started the sockets, not the daemon.
         assert sandbox.sh("systemctl", "is-active", "capyctl.socket", check=False).stdout.strip() == "active", \

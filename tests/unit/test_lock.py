@@ -9,10 +9,8 @@ than its lock (scripts/setup makes .venv from the lock).
 from __future__ import annotations
 
 import importlib.metadata
-import re
 import sys
 import tomllib
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -21,43 +19,13 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
+from tests.locks import LOCK, read_lock
+
 ROOT = Path(__file__).resolve().parents[2]
-LOCK = ROOT / "lock"
 PYTHONS = ("3.11", "3.12", "3.13")
 # Each lock file, and the extras of pyproject.toml it resolves on top of the dependencies.
 EXTRAS = {"runtime": (), "test": ("test",), "bench": ("test", "bench")}
 PYPROJECT = "capyctl (pyproject.toml)"
-
-
-@dataclass
-class Pin:
-    version: Version
-    hashes: int = 0
-    via: list[str] = field(default_factory=list)
-
-
-def read_lock(path: Path) -> dict[str, Pin]:
-    """uv's requirements format: `name==version \\`, `--hash=sha256:...` lines, `# via` lines."""
-    pins: dict[str, Pin] = {}
-    current: Pin | None = None
-    in_via = False
-    for line in path.read_text().splitlines():
-        if m := re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line):
-            current = pins[canonicalize_name(m[1])] = Pin(Version(m[2]))
-            in_via = False
-        elif current is None:
-            continue
-        elif line.strip().startswith("--hash=sha256:"):
-            current.hashes += 1
-        elif m := re.match(r"^\s+# via(?: (.+))?$", line):
-            in_via = m[1] is None
-            if m[1]:
-                current.via.append(m[1])
-        elif in_via and (m := re.match(r"^\s+#\s{3}(.+)$", line)):
-            current.via.append(m[1])
-        else:
-            in_via = False
-    return pins
 
 
 def environment(python: str, extra: str = "") -> dict[str, str]:
