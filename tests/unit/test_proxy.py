@@ -7,7 +7,6 @@ proxy runs on a real loopback socket through ``serve`` exactly as the daemon run
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
@@ -24,6 +23,7 @@ from aiohttp import web
 
 from capyctl.errors import CapyError, QueueFull, Unavailable
 from capyctl.proxy import _app as proxy_app
+from capyctl.proxy._engine_limits import EngineConnectionLimits
 from capyctl.proxy._metrics import PENDING_MAX, ProxyMetrics
 from capyctl.proxy import KeyGrant, ModelEntry, StaticKeys, Upstream, build_app, serve
 
@@ -62,7 +62,8 @@ class FakeOpenAI:
     inside: int = 0
     most_inside: int = 0
     connections: set[int] = field(default_factory=set)
-    # When set, each request is held until this many are inside at once (or a moment has passed).
+    # When set, each request is held until this many are inside at once, or until the test sets
+    # ``crowded`` (it knows no more will come in).
     hold_until_inside: int | None = None
     crowded: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -74,8 +75,7 @@ class FakeOpenAI:
             if self.hold_until_inside is not None:
                 if self.inside >= self.hold_until_inside:
                     self.crowded.set()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.crowded.wait(), 0.2)
+                await asyncio.wait_for(self.crowded.wait(), HANG_GUARD)
             return await self.answer(request)
         finally:
             self.inside -= 1
@@ -405,13 +405,31 @@ async def test_non_streaming_body_passes_through_with_tool_calls(setup: Setup, h
 
 
 async def test_an_engine_with_a_connection_bound_never_sees_more_connections(
-        setup: Setup, http: aiohttp.ClientSession) -> None:
+        setup: Setup, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch) -> None:
     # llama-server reads a connection only on a free thread of its pool (the adapter's
     # connections_max says why): a burst past the bound waits in the proxy, and every one is answered.
     setup.router.upstreams["model-bounded"] = Upstream("dep-bounded", setup.upstream_url, UPSTREAM_KEY, "llama.cpp",
                                                        frozenset({"chat"}), connections_max=2)
     setup.fake.body = b'{"ok": true}'
-    setup.fake.hold_until_inside = 3  # reached only if the proxy lets a third in
+    # The engine holds each request until a third is inside (only if the proxy lets one in), or
+    # until all eight have asked the proxy for an engine connection and every one that got one is
+    # inside the engine: the rest wait in the proxy, and none comes unless one ends.
+    setup.fake.hold_until_inside = 3
+    asked = got = 0
+    acquire = EngineConnectionLimits.acquire
+
+    async def counted(limits: EngineConnectionLimits, upstream: Upstream) -> Callable[[], None]:
+        nonlocal asked, got
+        asked += 1
+        release = await acquire(limits, upstream)
+        got += 1
+        return release
+
+    monkeypatch.setattr(EngineConnectionLimits, "acquire", counted)
+
+    async def all_in_or_in_line() -> None:
+        await eventually(lambda: asked == 8 and setup.fake.inside == got, "all eight at the engine or in line")
+        setup.fake.crowded.set()
 
     async def ask() -> int:
         request = {"model": "model-bounded", "messages": [{"role": "user", "content": "hi"}]}
@@ -419,7 +437,11 @@ async def test_an_engine_with_a_connection_bound_never_sees_more_connections(
             await response.read()
             return response.status
 
-    assert await asyncio.gather(*(ask() for _ in range(8))) == [200] * 8
+    watch = asyncio.create_task(all_in_or_in_line())
+    try:
+        assert await asyncio.gather(*(ask() for _ in range(8))) == [200] * 8
+    finally:
+        watch.cancel()
     assert setup.fake.most_inside == 2 and len(setup.fake.connections) <= 2
     assert setup.router.in_flight == 0
 
