@@ -400,14 +400,21 @@ class StuckExchange(Exchange):
         self.written: list[bytes] = []
         self.wrote = asyncio.Event()  # set at each write (cleared by the test)
         self.unstick = asyncio.Event()
+        self.writing = 0  # writes under way now
+        self.most_writing = 0
 
     async def start_stream(self, status: int, headers: dict[str, str]) -> None:
         self.started += 1
 
     async def write(self, data: bytes) -> None:
         self.written.append(data)
+        self.writing += 1
+        self.most_writing = max(self.most_writing, self.writing)
         self.wrote.set()
-        await self.unstick.wait()
+        try:
+            await self.unstick.wait()
+        finally:
+            self.writing -= 1
 
 
 async def test_a_client_that_does_not_read_holds_one_line_not_all_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -419,12 +426,15 @@ async def test_a_client_that_does_not_read_holds_one_line_not_all_of_them(monkey
             progress(f"waiting for m: {i} requests ahead")
             if i == 0:  # the first is being written: the client reads no more
                 await asyncio.wait_for(reply.wrote.wait(), HANG_GUARD)
-        await asyncio.sleep(0.2)  # four intervals in which nothing more may be written
         assert reply.started == 1 and reply.written == [b": waiting for m: 0 requests ahead\n\n"]
+        # And nothing more can be written until the client reads: the one task besides this
+        # test's is the writer, and the one write under way is its own, which only unstick ends.
+        assert len(asyncio.all_tasks() - {asyncio.current_task()}) == 1 and reply.writing == 1
         reply.wrote.clear()
         reply.unstick.set()  # the client reads again: the latest line follows, the others are gone
         await asyncio.wait_for(reply.wrote.wait(), HANG_GUARD)
         assert reply.written[1:] == [b": waiting for m: 9999 requests ahead\n\n"]
         assert await progress.stop()
+        assert reply.most_writing == 1
     finally:
         progress.close()
