@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import json
 import socket
-from dataclasses import dataclass
+import struct
+import termios
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 import pytest
@@ -32,6 +35,13 @@ FLOOD_EVENTS = 8192  # 8 MiB of events: twice what Linux lets a socket's send bu
 
 
 @dataclass
+class Flood:
+    """How far the engine got with a "flood" answer: the events it wrote, and its socket."""
+    sent: int = 0
+    sock: socket.socket | None = None
+
+
+@dataclass
 class Proxy:
     host: str
     port: int
@@ -39,6 +49,7 @@ class Proxy:
     release: asyncio.Event  # lets a "slow" stream finish
     engine_saw: list[dict]
     flood_written: asyncio.Event  # the engine wrote the last event of a "flood"
+    flood: Flood = field(default_factory=Flood)
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(self.host, self.port)
@@ -49,6 +60,7 @@ async def proxy() -> AsyncIterator[Proxy]:
     release = asyncio.Event()
     engine_saw: list[dict] = []
     flood_written = asyncio.Event()
+    flood = Flood()
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -77,8 +89,11 @@ async def proxy() -> AsyncIterator[Proxy]:
         if said == "slow":
             await asyncio.wait_for(release.wait(), HANG_GUARD)
         if said == "flood":  # FLOOD_EVENTS events of 1 KiB, each write waiting for the socket
+            assert request.transport is not None
+            flood.sock = request.transport.get_extra_info("socket")
             for n in range(FLOOD_EVENTS):
                 await response.write(b"data: %05d " % n + b"x" * 1012 + b"\n\n")
+                flood.sent = n + 1
             flood_written.set()
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -93,7 +108,7 @@ async def proxy() -> AsyncIterator[Proxy]:
     runner = await serve(app, host_port="127.0.0.1:0", door=DoorSettings())  # as the daemon serves it
     host, port = runner.addresses[0][:2]
     try:
-        yield Proxy(host, port, runner, release, engine_saw, flood_written)
+        yield Proxy(host, port, runner, release, engine_saw, flood_written, flood)
     finally:
         release.set()
         await runner.cleanup()
@@ -142,6 +157,23 @@ async def _read_answer(reader: asyncio.StreamReader) -> Answer:
 
 async def closed(reader: asyncio.StreamReader) -> bool:
     return await asyncio.wait_for(reader.read(1), HANG_GUARD) == b""
+
+
+def unread(sock: socket.socket) -> int:
+    """Bytes the kernel holds for ``sock`` that its owner has not read (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
+def unsent(sock: socket.socket) -> int:
+    """Bytes written to ``sock`` that the kernel has not sent yet: the peer has no room (TIOCOUTQ)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+async def health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """/health asked and answered on another client's connection: the proxy's loop has taken its
+    turns meanwhile, reading every socket it still reads."""
+    writer.write(b"GET /health HTTP/1.1\r\nHost: p\r\n\r\n")
+    assert (await read_answer(reader)).status == 200
 
 
 async def test_json_and_get_routes_are_answered_on_one_kept_alive_connection(proxy: Proxy) -> None:
@@ -398,9 +430,27 @@ async def test_a_client_slower_than_its_stream_holds_the_engine_back_instead_of_
                (engine_connection.get_extra_info("socket"), socket.SO_RCVBUF)]
     for sock, option in sockets:
         buffer_size(sock, option, 64 * 1024)
+    other = await proxy.connect()
     writer.write(chat_request("flood", stream=True))
-    await eventually(lambda: connection.get_write_buffer_size() > 0, "the client's socket full")
-    await asyncio.sleep(0.5)
+    # Until the proxy holds the engine back for good, or the engine has written it all (what a
+    # proxy that buffers lets it do): the client's socket full, the engine's answer left unread on
+    # the proxy's engine socket, and nothing of it moving while another client is answered: not
+    # what the proxy leaves unread, not what the engine's socket has yet to send, not the events
+    # the engine has written.
+    engine_socket = engine_connection.get_extra_info("socket")
+
+    def engine_side() -> tuple[int, int, int]:
+        assert proxy.flood.sock is not None
+        return unread(engine_socket), unsent(proxy.flood.sock), proxy.flood.sent
+
+    while not proxy.flood_written.is_set():
+        await eventually(lambda: proxy.flood_written.is_set()
+                         or (connection.get_write_buffer_size() > 0 and unread(engine_socket) > 0),
+                         "the client's socket full, the engine's answer left unread")
+        before = engine_side()
+        await health(*other)
+        if engine_side() == before and before[0] > 0 and not proxy.flood_written.is_set():
+            break
     assert not proxy.flood_written.is_set()  # the engine waits for the client ...
     assert connection.get_write_buffer_size() < 1 << 20  # ... rather than the proxy buffering 8 MiB
     # Now the client reads, through buffers of a usual size.
@@ -415,6 +465,7 @@ async def test_a_client_slower_than_its_stream_holds_the_engine_back_instead_of_
     writer.write(chat_request("after"))  # the engine connection went back to the pool reading
     assert json.loads((await read_answer(reader)).body)["echo"] == "after"
     writer.close()
+    other[1].close()
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["engine-connection-new", "engine-connection-kept-alive"])
@@ -436,9 +487,14 @@ async def test_shutdown_waits_for_an_answer_under_way(proxy: Proxy) -> None:
     writer.write(chat_request("wait"))
     router = proxy.runner.app[STATE].router
     await eventually(lambda: router.in_flight == 1, "the request under way")
+    [handler] = proxy.runner.server.connections  # (aiohttp's RequestHandler of the client's connection)
     cleanup = asyncio.create_task(proxy.runner.cleanup())
-    await asyncio.sleep(0.1)
-    assert not cleanup.done()
+    # The shutdown comes to wait for the request's handler to end, with shutdown_timeout
+    # (aiohttp 3.14, web_protocol.py, RequestHandler.shutdown: the future only the handler's end
+    # resolves), or ends first if it does not wait.
+    await eventually(lambda: cleanup.done() or handler._handler_waiter is not None,
+                     "the shutdown waiting for the answer under way")
+    assert not cleanup.done() and not reader.at_eof()
     proxy.release.set()
     answer = await read_answer(reader)
     assert answer.status == 200 and json.loads(answer.body)["echo"] == "wait"
