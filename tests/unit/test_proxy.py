@@ -339,6 +339,17 @@ async def test_router_errors_map_to_openai_errors_with_retry_after(setup: Setup,
         assert (await error_of(response))["code"] == "wake_timeout"
 
 
+DEEP = b'{"model": "model-a", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+
+
+def _refused_by_json(body: bytes) -> bool:
+    try:
+        json.loads(body)
+    except RecursionError:
+        return True
+    return False
+
+
 async def test_body_errors(setup: Setup, http: aiohttp.ClientSession) -> None:
     url = setup.url + "/v1/chat/completions"
     cases = [
@@ -348,7 +359,9 @@ async def test_body_errors(setup: Setup, http: aiohttp.ClientSession) -> None:
         (json.dumps({"model": 7}).encode(), 400, "missing_model"),
         (json.dumps({"model": "model-a", "pad": "x" * 5000}).encode(), 413, "request_too_large"),
         # Nested past the standard library's recursion limit: its RecursionError was answered 500.
-        (b'{"model": "model-a", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}", 400, "invalid_json"),
+        # That limit is the interpreter's (3.11 refuses this depth, 3.13's scanner reads it), so
+        # the expected answer is what json.loads itself does with the body: a 400, or passed on.
+        (DEEP, 400 if _refused_by_json(DEEP) else 200, "invalid_json" if _refused_by_json(DEEP) else None),
         # What follows the object: json.loads refuses all but whitespace, and so must _loads' own
         # reading of a UTF-8 object (its scanner stops at the object's end).
         (b'{"model": "model-a"} {"model": "model-b"}', 400, "invalid_json"),
@@ -359,7 +372,8 @@ async def test_body_errors(setup: Setup, http: aiohttp.ClientSession) -> None:
     for body, status, code in cases:
         async with http.post(url, headers={**auth(), "Content-Type": "application/json"}, data=body) as response:
             assert response.status == status, body[:40]
-            assert (await error_of(response))["code"] == code
+            if code is not None:
+                assert (await error_of(response))["code"] == code
 
     async def chunked_body() -> AsyncIterator[bytes]:  # no Content-Length: the limit holds while reading
         for _ in range(10):
@@ -367,7 +381,8 @@ async def test_body_errors(setup: Setup, http: aiohttp.ClientSession) -> None:
     async with http.post(url, headers=auth(), data=chunked_body()) as response:
         assert response.status == 413
         assert (await error_of(response))["code"] == "request_too_large"
-    assert setup.router.acquire_calls == 0
+    # Only a body that was read reached the router (the deep one, where the interpreter reads it).
+    assert setup.router.acquire_calls == sum(status == 200 for _, status, _ in cases)
 
 
 @pytest.mark.parametrize("path", ["/sleep", "/wake_up", "/collective_rpc", "/release_memory_occupation",
