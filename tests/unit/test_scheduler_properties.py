@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from capyctl.scheduler import (Candidate, Footprint, GpuCard, HostResources, Ledger, NoRoom, Plan, Request,
                                plan)
+from tests.examples import examples
 
 CARD_TYPES = [("A100", 8), ("A100", 8), ("A100", 8), ("L4", 6), ("A100", 6)]  # the last differs from A100/8 by memory only
 NOW = 100.0
@@ -124,7 +125,7 @@ def _carry_out(ledger: Ledger, request: Request, result: Plan) -> Ledger:
     return after
 
 
-@settings(max_examples=2500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(2500), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
 def test_plan_is_safe_minimal_and_complete(scenario) -> None:
     ledger, candidates, request, hosts = scenario
@@ -189,7 +190,7 @@ def test_plan_is_safe_minimal_and_complete(scenario) -> None:
             parked_ok.confirm_released(victim.deployment)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(scenarios())
 def test_busy_and_never_evict_are_never_victims_even_under_pressure(scenario) -> None:
     # Mark every other deployment busy or never-evicted: a plan may exist only without victims.
