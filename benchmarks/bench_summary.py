@@ -39,6 +39,57 @@ AIOHTTP_CLIENT = "capyctl-aiohttp-client"
 AIOHTTP_SERVER = "aiohttp-server"
 CONTENTION_COUNTS = ((2, "two"), (3, "three"))
 STREAM_COUNTS = (1, 8, 64)
+# The Pythons whose door figures the summary shows side by side (issue 57): the added latency, the
+# hop and the chunk rates, each judged by the same goal on each. aiohttp starts a connection's task
+# and each request's handler task eagerly from Python 3.12 on, on the next turn of the loop before
+# (aiohttp/web_protocol.py, RequestHandler.connection_made and .start: asyncio.Task(...,
+# eager_start=True) under ``sys.version_info >= (3, 12)``, loop.create_task on 3.11). proxy_hop.py
+# and proxy_vs_nginx.py run the CapyCTL proxy and aiohttp's bare relay under each ``--other-python``
+# too, its paths named by on_python; scripts/bench passes the one of these its .venv is not.
+SIDE_BY_SIDE = ("3.11", "3.13")
+
+
+def on_python(name: str, version: str) -> str:
+    """The name of path ``name`` run under another Python than the benchmark's own, ``version`` its
+    major.minor, in the benchmarks' JSON: "capyctl (3.13)". The benchmark's own paths keep their names."""
+    return f"{name} ({version})"
+
+
+def minor(version: str | None) -> str | None:
+    """major.minor of a Python version ("3.11.7" -> "3.11"); None for None."""
+    return ".".join(version.split(".")[:2]) if version else None
+
+
+def _version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+def pythons(result: Mapping[str, Any] | None) -> tuple[str | None, list[str]]:
+    """The Python a proxy benchmark ran on (its full version; None where its JSON, from before issue
+    57, does not say) and the major.minor of each other Python it measured (``other_pythons``)."""
+    result = result or {}
+    return result.get("python"), sorted(result.get("other_pythons") or {}, key=_version_key)
+
+
+def other_pythons_shown(result: Mapping[str, Any] | None) -> list[str]:
+    """The Pythons whose rows the summary shows beside the run's own: every one of SIDE_BY_SIDE and
+    every one the run measured, but the run's own. A run that did not record its Python was on
+    SIDE_BY_SIDE[0] (scripts/setup made .venv with Debian 12's python3, 3.11, until then)."""
+    own, measured = pythons(result)
+    return sorted({*SIDE_BY_SIDE, *measured} - {minor(own) or SIDE_BY_SIDE[0]}, key=_version_key)
+
+
+def _on(version: str | None) -> str:
+    """A value's opening words naming the Python it was measured on ("" where the run did not say)."""
+    return f"Python {version}: " if version else ""
+
+
+def _not_on(result: Mapping[str, Any] | None, version: str, script: str) -> str:
+    """Why a run has no figures from Python ``version``."""
+    if version in ((result or {}).get("other_pythons") or {}):
+        return f"not measured: {script} measured no such path on Python {version} in this run"
+    return (f"not measured: this run had no Python {version} (scripts/bench passes {script} "
+            f"--other-python .venv-py{version}/bin/python where it finds python{version})")
 
 
 # The samples a percentile needs to say something: one in 100 above a p99 (issue 57). Under that, the
@@ -136,44 +187,90 @@ def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value / MiB:.1f} MiB"
 
 
+ADDED_MEASURE = "added latency, median, 1-token chat"
+
+
+def chunks_measure(streams: int) -> str:
+    return f"stream chunks/s, {streams} concurrent, vs direct"
+
+
+def also_on(measure: str, version: str) -> str:
+    """The measure of a row beside ``measure``'s, of the same figure on another Python (issue 57)."""
+    return f"{measure}, Python {version}"
+
+
+def _more_or_less(difference: float | None, own: str | None, fmt: Callable[[float | None], str]) -> str:
+    """What a path on another Python saves (or costs) against the same path on the run's own
+    Python ``own``: ``difference``, the median of the own path's samples less the other's, turn by turn."""
+    if difference is None:
+        return ""
+    than = f"on Python {own}" if own else "on the run's own Python"
+    return f"; {fmt(abs(difference))} {'less' if difference >= 0 else 'more'} than {than}, paired by turn"
+
+
 def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
-    """The proxy rows from proxy_vs_nginx.py's JSON: latency samples, streams, concurrency."""
+    """The proxy rows from proxy_vs_nginx.py's JSON: latency samples, streams, concurrency. The added
+    latency and the chunk rates are shown side by side for each Python of ``other_pythons_shown``
+    too, each row right after the run's own, judged by the same goal ("not measured" where the run
+    had no such Python)."""
+    others = other_pythons_shown(pvn)
     if not pvn:
         why = "proxy_vs_nginx.py wrote no result"
-        return [Row(m, why, g, "n/a") for m, g in (
-            ("added latency, median, 1-token chat", G.ADDED_LATENCY.shown),
+        side_by_side = [ADDED_MEASURE, *(chunks_measure(n) for n in STREAM_COUNTS)]
+        return [Row(m, why, g, "n/a") for measure, g in (
+            (ADDED_MEASURE, G.ADDED_LATENCY.shown),
             ("latency median, total vs nginx", G.MEDIAN_VS_NGINX.shown),
             ("latency p95 vs nginx", G.P95_VS_NGINX.shown),
             ("time to first chunk, median, vs nginx", G.TTFC_VS_NGINX.shown),
-            *((f"stream chunks/s, {n} concurrent, vs direct", G.STREAM_VS_DIRECT.shown)
-              for n in STREAM_COUNTS))]
+            *((chunks_measure(n), G.STREAM_VS_DIRECT.shown) for n in STREAM_COUNTS))
+            for m in [measure, *(also_on(measure, v) for v in others if measure in side_by_side)]]
     lat = pvn["latency_s"]
     med = {name: _median(v) for name, v in lat.items()}
     tail = {name: p95(v) if v else None for name, v in lat.items()}
+    own = pvn.get("python")
+    on_own = f"on Python {own}" if own else "on the run's own Python"
+    versions = {v: (pvn.get("other_pythons") or {}).get(v, {}).get("version") or v for v in others}
 
-    def paired(name: str) -> bool:
+    def paired(name: str, to: str = "direct") -> bool:
         # proxy_vs_nginx.py's turns: one sample of every path each, so they pair up by index.
-        return bool(lat.get(name)) and bool(lat.get("direct")) and len(lat[name]) == len(lat["direct"])
+        return bool(lat.get(name)) and bool(lat.get(to)) and len(lat[name]) == len(lat[to])
 
     def over_direct(name: str) -> float | None:
         if paired(name):
             return paired_difference(lat[name], lat["direct"])
         return med[name] - med["direct"] if med.get(name) is not None and med.get("direct") else None
 
+    def added_ci(name: str) -> str:
+        ci = turn_interval({"c": lat[name], "d": lat["direct"]},
+                           lambda t: paired_difference(t["c"], t["d"])) if paired(name) else None
+        return f" paired by turn ({_interval(ci, G.ADDED_LATENCY.bound, _in_ms)} ms)" if ci else ""
+
+    def aiohttp_alone(name: str) -> str:
+        # benchmarks/_aiohttp_relay.py: aiohttp's server as the proxy configures it, none of CapyCTL's work
+        added = over_direct(name) if lat.get(name) else None
+        return f"; aiohttp's server alone {_ms(added)}" if added is not None else ""
+
+    def added_on(version: str) -> Row:
+        name, measure = on_python("capyctl", version), also_on(ADDED_MEASURE, version)
+        if not lat.get(name) or not med.get("direct"):
+            return Row(measure, _not_on(pvn, version, "proxy_vs_nginx.py"), G.ADDED_LATENCY.shown, "n/a")
+        added = over_direct(name)
+        saved = paired_difference(lat["capyctl"], lat[name]) if paired(name, "capyctl") else None
+        return Row(measure, f"{_on(versions[version])}{_ms(added)} over direct ({_x(_ratio(med[name], med['direct']))})"
+                   + added_ci(name) + aiohttp_alone(on_python(AIOHTTP_SERVER, version))
+                   + _more_or_less(saved, own, _ms),
+                   G.ADDED_LATENCY.shown, G.ADDED_LATENCY.judge(added), added)
+
     added, nginx_added, floor_added = over_direct("capyctl"), over_direct("nginx"), over_direct("floor")
-    # benchmarks/_aiohttp_relay.py: aiohttp's server as the proxy configures it, none of CapyCTL's work
-    aiohttp_added = over_direct(AIOHTTP_SERVER) if lat.get(AIOHTTP_SERVER) else None
-    added_ci = turn_interval({"c": lat["capyctl"], "d": lat["direct"]},
-                             lambda t: paired_difference(t["c"], t["d"])) if paired("capyctl") else None
     rows = [
-        Row("added latency, median, 1-token chat",
-            f"{_ms(added)} over direct ({_x(_ratio(med['capyctl'], med['direct']))})"
-            + (f" paired by turn ({_interval(added_ci, G.ADDED_LATENCY.bound, _in_ms)} ms)" if added_ci else "")
+        Row(ADDED_MEASURE,
+            f"{_on(own)}{_ms(added)} over direct ({_x(_ratio(med['capyctl'], med['direct']))})" + added_ci("capyctl")
             + f"; nginx adds {_ms(nginx_added)}"
             + (f"; the floor relay {_ms(floor_added)}" if floor_added is not None else "")
-            + (f"; aiohttp's server alone {_ms(aiohttp_added)}" if aiohttp_added is not None else ""),
+            + aiohttp_alone(AIOHTTP_SERVER),
             G.ADDED_LATENCY.shown,
             G.ADDED_LATENCY.judge(added), added),
+        *(added_on(v) for v in others),
     ]
     r = _ratio(med["capyctl"], med["nginx"])
     ci = turn_interval({"c": lat["capyctl"], "n": lat["nginx"]},
@@ -195,18 +292,29 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
                     f"{_ms(ttfc.get('nginx'))}" + (f"; {_interval(ci, G.TTFC_VS_NGINX.bound, _in_x)}" if ci else "") + ")",
                     G.TTFC_VS_NGINX.shown, G.TTFC_VS_NGINX.judge(r), r))
     concurrency = pvn.get("concurrency") or {}
+    goal = G.STREAM_VS_DIRECT.shown
     for n in STREAM_COUNTS:
         point = concurrency.get(str(n))
-        measure = f"stream chunks/s, {n} concurrent, vs direct"
-        goal = G.STREAM_VS_DIRECT.shown
+        measure = chunks_measure(n)
         if not point:
-            rows.append(Row(measure, "not measured in this run", goal, "n/a"))
+            rows += [Row(m, "not measured in this run", goal, "n/a") for m in [measure] + [also_on(measure, v)
+                                                                                         for v in others]]
             continue
         rate = {name: _median(p["chunks_per_s"]) for name, p in point.items()}
         r = _ratio(rate.get("capyctl"), rate.get("direct"))
-        rows.append(Row(measure, f"{_x(r)} ({rate['capyctl']:.0f}/s vs {rate['direct']:.0f}/s; nginx "
+        rows.append(Row(measure, f"{_on(own)}{_x(r)} ({rate['capyctl']:.0f}/s vs {rate['direct']:.0f}/s; nginx "
                         f"{_x(_ratio(rate.get('nginx'), rate.get('direct')))})", goal,
                         G.STREAM_VS_DIRECT.judge(r), r))
+        for version in others:
+            name = on_python("capyctl", version)
+            if rate.get(name) is None:
+                rows.append(Row(also_on(measure, version), _not_on(pvn, version, "proxy_vs_nginx.py"), goal, "n/a"))
+                continue
+            r_on = _ratio(rate[name], rate.get("direct"))
+            rows.append(Row(also_on(measure, version),
+                            f"{_on(versions[version])}{_x(r_on)} ({rate[name]:.0f}/s vs {rate['direct']:.0f}/s; "
+                            f"{_x(r)} {on_own})", goal,
+                            G.STREAM_VS_DIRECT.judge(r_on), r_on))
     return rows
 
 
@@ -304,15 +412,44 @@ def litellm_rows(pvn: dict[str, Any] | None) -> list[Row]:
     return rows
 
 
+HOP_MEASURE = "one hop over direct, instant engine (median)"
+
+
 def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
-    """One hop against an engine that answers at once (proxy_hop.py): the proxy's own cost, no model noise."""
+    """One hop against an engine that answers at once (proxy_hop.py): the proxy's own cost, no model
+    noise; beside the run's own, the same hop on each Python of ``other_pythons_shown`` (issue 57)."""
     if not hop or not hop.get("hop_s"):
         return []
-    capy, nginx = hop["hop_s"]["capyctl"], hop["hop_s"]["nginx"]
+    hops, cpus, samples = hop["hop_s"], hop.get("cpu_per_request_s") or {}, hop.get("samples") or {}
+    capy, nginx = hops["capyctl"], hops["nginx"]
     cpu = hop.get("capyctl_per_request_s")
-    rows = [Row("one hop over direct, instant engine (median)",
-                f"{capy * 1e6:.0f} us vs nginx's {nginx * 1e6:.0f} us ({_x(_ratio(capy, nginx))})"
-                + (f"; proxy CPU {cpu * 1e6:.0f} us/request" if cpu else ""), "(profile)", "info")]
+    own = hop.get("python")
+
+    def aiohttp_alone(name: str) -> str:
+        # benchmarks/_aiohttp_relay.py: aiohttp's server as the proxy configures it, none of CapyCTL's work
+        if hops.get(name) is None:
+            return ""
+        return f"; aiohttp's server alone {_us(hops[name])}" + (f" (CPU {_us(cpus[name])}/request)"
+                                                                 if cpus.get(name) else "")
+
+    def on(version: str) -> Row:
+        name, measure = on_python("capyctl", version), also_on(HOP_MEASURE, version)
+        if hops.get(name) is None:
+            return Row(measure, _not_on(hop, version, "proxy_hop.py"), "(profile)", "n/a")
+        full = (hop.get("other_pythons") or {}).get(version, {}).get("version") or version
+        pair = samples.get("capyctl"), samples.get(name)  # proxy_hop.py's turns: one request on every path
+        saved = paired_difference(*pair) if pair[0] and pair[1] and len(pair[0]) == len(pair[1]) else None
+        return Row(measure, f"{_on(full)}{_us(hops[name])} vs nginx's {_us(nginx)} ({_x(_ratio(hops[name], nginx))})"
+                   + (f"; proxy CPU {_us(cpus[name])}/request" if cpus.get(name) else "")
+                   + aiohttp_alone(on_python(AIOHTTP_SERVER, version))
+                   + _more_or_less(saved, own, _us),
+                   "(profile)", "info", hops[name])
+
+    rows = [Row(HOP_MEASURE,
+                f"{_on(own)}{capy * 1e6:.0f} us vs nginx's {nginx * 1e6:.0f} us ({_x(_ratio(capy, nginx))})"
+                + (f"; proxy CPU {cpu * 1e6:.0f} us/request" if cpu else "") + aiohttp_alone(AIOHTTP_SERVER),
+                "(profile)", "info"),
+            *(on(v) for v in other_pythons_shown(hop))]
     plain = hop["hop_s"].get(AIOHTTP_CLIENT)
     if plain is not None:  # the same proxy reaching its engine through aiohttp's client, in the same run
         plain_cpu = hop.get("cpu_per_request_s", {}).get(AIOHTTP_CLIENT)

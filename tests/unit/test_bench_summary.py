@@ -21,16 +21,31 @@ MiB = 1 << 20
 
 
 def _pvn(capy_ms: float = 10.1, nginx_ms: float = 10.05, direct_ms: float = 10.0, rate: float = 100.0,
-         litellm: bool = False) -> dict:
+         litellm: bool = False, python: str | None = None, others: dict | None = None) -> dict:
+    """proxy_vs_nginx.py's result; ``python``, the version it ran on (None: a run from before it said),
+    and ``others``, the proxy on other Pythons: {"3.13": (its latency in ms, its chunks/s against direct)}."""
     paths = ["direct", "nginx", "capyctl"] + (["litellm"] if litellm else [])
     base = {"direct": direct_ms, "nginx": nginx_ms, "capyctl": capy_ms, "litellm": 15.0}
-    return {
+    result = {
         "latency_s": {p: [base[p] / 1000] * 20 for p in paths},
         "ttfc_s": {p: [base[p] / 1000] * 3 for p in paths},
         "concurrency": {str(n): {p: {"chunks_per_s": [rate if p != "capyctl" else rate * 0.995]} for p in paths}
                         for n in (1, 8, 64)},
         "litellm": {"measured": litellm} if litellm else {"measured": False, "error": "not asked for (--litellm)"},
     }
+    if python:
+        result["python"] = python
+    if others is not None:
+        result["other_pythons"] = {v: {"executable": f"/x/.venv-py{v}/bin/python", "version": f"{v}.0",
+                                       "aiohttp": "3.14.5"} for v in others}
+    for version, (ms, vs_direct) in (others or {}).items():
+        name = bs.on_python("capyctl", version)
+        result["latency_s"][name] = [ms / 1000] * 20
+        result["latency_s"][bs.on_python(bs.AIOHTTP_SERVER, version)] = [(direct_ms + 0.3) / 1000] * 20
+        result["ttfc_s"][name] = [ms / 1000] * 3
+        for point in result["concurrency"].values():
+            point[name] = {"chunks_per_s": [rate * vs_direct]}
+    return result
 
 
 def _scenario(answers: dict, *, failed: dict | None = None, latency: float = 0.5, wakes: int = 0,
@@ -140,10 +155,11 @@ def _by_measure(rows):
 
 
 def test_every_row_of_the_issue_is_there_and_passes_within_its_goals():
-    rows = _by_measure(bs.evaluate(_results()))
-    expected = ["added latency, median, 1-token chat", "latency median, total vs nginx", "latency p95 vs nginx",
-                "time to first chunk, median, vs nginx", "stream chunks/s, 1 concurrent, vs direct",
-                "stream chunks/s, 8 concurrent, vs direct", "stream chunks/s, 64 concurrent, vs direct",
+    rows = _by_measure(bs.evaluate(_results(proxy_vs_nginx=_pvn(python="3.11.7", others={"3.13": (10.05, 1.0)}))))
+    expected = ["added latency, median, 1-token chat", "added latency, median, 1-token chat, Python 3.13",
+                "latency median, total vs nginx", "latency p95 vs nginx",
+                "time to first chunk, median, vs nginx",
+                *(f"stream chunks/s, {n} concurrent, vs direct{on}" for n in (1, 8, 64) for on in ("", ", Python 3.13")),
                 "parked -> first token vs llama-server by hand", "daemon idle RSS after a few requests",
                 "daemon idle RSS after 100,000 requests (flat?)",
                 "8 deployments behind one daemon: requests/s", "1,000 streams across 8 deployments: dropped or cut",
@@ -250,7 +266,7 @@ def test_what_was_not_measured_is_n_a_with_the_reason():
     assert by["parked -> first token vs llama-server by hand"].status == "n/a"
     assert by["parked -> first token vs llama-server by hand"].value == "needs root"
     assert all(r.status == "n/a" for r in rows)
-    assert "0 PASS, 0 MISS, 34 not measured" in bs.render_table(rows)
+    assert "0 PASS, 0 MISS, 38 not measured" in bs.render_table(rows)  # with Python 3.13's 4 rows
 
 
 def test_litellm_rows_say_where_capyctl_stands_or_why_not():
@@ -266,7 +282,8 @@ def test_the_table_prints_every_row_with_goal_and_verdict():
     text = bs.render_table(bs.evaluate(_results()))
     assert "<= 0.70 ms over direct" in text and ">= 0.99x direct" in text and "<= 1.10x" in text
     assert "keep if >= 100 us" in text and ">= 2,848/s" in text
-    assert text.splitlines()[-1] == "33 PASS, 0 MISS, 1 KEEP, 0 DELETE, 1 not measured"  # LiteLLM not measured
+    # LiteLLM not measured, nor Python 3.13: its added latency, 3 chunk rates and hop
+    assert text.splitlines()[-1] == "33 PASS, 0 MISS, 1 KEEP, 0 DELETE, 6 not measured"
 
 
 def test_every_verdict_is_counted_in_the_tables_last_line():
@@ -347,7 +364,7 @@ def test_main_writes_summary_and_chart(tmp_path, capsys):
         (tmp_path / f"{name}.json").write_text(json.dumps(data))
     assert bs.main([str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert len(summary["rows"]) == 39 and summary["rows"][0]["status"] == "PASS"
+    assert len(summary["rows"]) == 44 and summary["rows"][0]["status"] == "PASS"
     hop = next(r for r in summary["rows"] if r["measure"].startswith("one hop"))
     assert hop["value"] == "200 us vs nginx's 100 us (2.000x); proxy CPU 300 us/request"
     assert "| " not in capsys.readouterr().out.splitlines()[0]
@@ -387,10 +404,125 @@ def test_the_hop_through_aiohttps_engine_client_is_its_own_baseline_row():
     rows = bs.hop_rows({"hop_s": {"nginx": 1e-4, "capyctl": 2e-4, "capyctl-aiohttp-client": 3.5e-4},
                         "capyctl_per_request_s": 2e-4,
                         "cpu_per_request_s": {"capyctl": 2e-4, "capyctl-aiohttp-client": 3e-4}})
+    rows = [row for row in rows if row.status == "info"]  # (Python 3.13's hop: not measured)
     assert [row.value for row in rows] == ["200 us vs nginx's 100 us (2.000x); proxy CPU 200 us/request",
                                            "350 us; proxy CPU 300 us/request"]
     assert rows[1].measure == "one hop, the engine reached through aiohttp's client"
-    assert len(bs.hop_rows({"hop_s": {"nginx": 1e-4, "capyctl": 2e-4}})) == 1  # an older run: no such row
+    older = bs.hop_rows({"hop_s": {"nginx": 1e-4, "capyctl": 2e-4}})  # an older run: no such row
+    assert [(row.measure, row.status) for row in older] == [
+        ("one hop over direct, instant engine (median)", "info"),
+        ("one hop over direct, instant engine (median), Python 3.13", "n/a")]
+
+
+# ---------------------------------------------------------------- Python 3.11 and 3.13 side by side (issue 57)
+
+ADDED = "added latency, median, 1-token chat"
+ON_13 = ", Python 3.13"
+
+
+def test_the_door_figures_of_each_python_stand_side_by_side_each_judged_by_the_same_goal():
+    """Issue 57: the added latency misses on 3.11, where aiohttp starts no task eagerly; the same
+    proxy on 3.13 is measured on the same turns, its row right after 3.11's, judged by the same goal."""
+    rows = bs.proxy_rows(_pvn(capy_ms=10.8, python="3.11.7", others={"3.13": (10.45, 1.0)}))
+    assert [r.measure for r in rows] == [
+        ADDED, ADDED + ON_13, "latency median, total vs nginx", "latency p95 vs nginx",
+        "time to first chunk, median, vs nginx",
+        *(f"stream chunks/s, {n} concurrent, vs direct{on}" for n in (1, 8, 64) for on in ("", ON_13))]
+    by = _by_measure(rows)
+    own, other = by[ADDED], by[ADDED + ON_13]
+    assert (own.status, own.goal, own.ratio) == ("MISS", "<= 0.70 ms over direct", pytest.approx(0.8e-3))
+    assert own.value.startswith("Python 3.11.7: 0.80 ms over direct (1.080x) paired by turn")
+    assert (other.status, other.goal, other.ratio) == ("PASS", "<= 0.70 ms over direct", pytest.approx(0.45e-3))
+    assert other.value == ("Python 3.13.0: 0.45 ms over direct (1.045x) paired by turn (95% CI 0.45-0.45 ms); "
+                           "aiohttp's server alone 0.30 ms; 0.35 ms less than on Python 3.11.7, paired by turn")
+    chunks, chunks_13 = by["stream chunks/s, 8 concurrent, vs direct"], by["stream chunks/s, 8 concurrent, vs direct" + ON_13]
+    assert chunks.value.startswith("Python 3.11.7: 0.995x (100/s vs 100/s") and chunks.status == "PASS"
+    assert chunks_13.value == "Python 3.13.0: 1.000x (100/s vs 100/s; 0.995x on Python 3.11.7)"
+    assert (chunks_13.status, chunks_13.goal, chunks_13.ratio) == ("PASS", ">= 0.99x direct", pytest.approx(1.0))
+    slower = _by_measure(bs.proxy_rows(_pvn(capy_ms=10.2, python="3.11.7", others={"3.13": (10.3, 1.0)})))
+    assert slower[ADDED + ON_13].value.endswith("; 0.10 ms more than on Python 3.11.7, paired by turn")
+
+
+@pytest.mark.parametrize(("ms", "vs_direct", "status"), [(10.69, 0.99, "PASS"), (10.71, 0.9899, "MISS")])
+def test_the_other_pythons_rows_are_judged_at_the_goals_bounds(ms, vs_direct, status):
+    rows = [r for r in bs.proxy_rows(_pvn(python="3.11.7", others={"3.13": (ms, vs_direct)}))
+            if r.measure.endswith(ON_13)]
+    assert len(rows) == 4 and {r.status for r in rows} == {status}
+    own = [r for r in bs.proxy_rows(_pvn(python="3.11.7", others={"3.13": (ms, vs_direct)}))
+           if r.measure in (ADDED, "stream chunks/s, 1 concurrent, vs direct")]
+    assert {r.status for r in own} == {"PASS"}  # 0.10 ms, 0.995x: the run's own Python is judged apart
+
+
+def test_a_python_the_run_did_not_measure_shows_not_measured():
+    rows = _by_measure(bs.proxy_rows(_pvn(python="3.11.7")))
+    missing = [r for m, r in rows.items() if m.endswith(ON_13)]
+    assert len(missing) == 4 and {r.status for r in missing} == {"n/a"}
+    assert missing[0].value.startswith("not measured: this run had no Python 3.13 (scripts/bench passes "
+                                       "proxy_vs_nginx.py --other-python .venv-py3.13/bin/python")
+    assert rows[ADDED].status == "PASS" and rows[ADDED].value.startswith("Python 3.11.7: 0.10 ms")
+    # A run from before the Python was recorded: its rows as they were, 3.13's not measured.
+    older = _by_measure(bs.proxy_rows(_pvn()))
+    assert older[ADDED].value.startswith("0.10 ms over direct") and older[ADDED + ON_13].status == "n/a"
+    # On 3.13 itself, with 3.11 as the other: 3.11's rows beside it, none for 3.13.
+    flipped = _by_measure(bs.proxy_rows(_pvn(capy_ms=10.4, python="3.13.1", others={"3.11": (10.8, 0.995)})))
+    assert not [m for m in flipped if m.endswith(ON_13)]
+    assert flipped[ADDED].value.startswith("Python 3.13.1: 0.40 ms") and flipped[ADDED].status == "PASS"
+    assert flipped[ADDED + ", Python 3.11"].status == "MISS"
+    assert flipped[ADDED + ", Python 3.11"].value.endswith("; 0.40 ms more than on Python 3.13.1, paired by turn")
+    # Measured on 3.13 but a stream count without it; no run at all.
+    pvn = _pvn(python="3.11.7", others={"3.13": (10.45, 1.0)})
+    del pvn["concurrency"]["64"][bs.on_python("capyctl", "3.13")]
+    cut = _by_measure(bs.proxy_rows(pvn))["stream chunks/s, 64 concurrent, vs direct" + ON_13]
+    assert (cut.status, cut.value) == ("n/a", "not measured: proxy_vs_nginx.py measured no such path on Python 3.13 "
+                                              "in this run")
+    none = bs.proxy_rows(None)
+    assert [r.measure for r in none if r.measure.endswith(ON_13)] == [
+        ADDED + ON_13, *(f"stream chunks/s, {n} concurrent, vs direct{ON_13}" for n in (1, 8, 64))]
+    assert {r.value for r in none} == {"proxy_vs_nginx.py wrote no result"}
+
+
+def test_the_pythons_shown_are_3_11_and_3_13_and_any_other_measured_but_the_runs_own():
+    assert bs.other_pythons_shown(None) == ["3.13"]
+    assert bs.other_pythons_shown({"python": "3.11.7"}) == ["3.13"]
+    assert bs.other_pythons_shown({"python": "3.13.0", "other_pythons": {"3.11": {}}}) == ["3.11"]
+    assert bs.other_pythons_shown({"python": "3.12.1", "other_pythons": {"3.13": {}}}) == ["3.11", "3.13"]
+    assert bs.other_pythons_shown({"python": "3.11.7", "other_pythons": {"3.12": {}, "3.13": {}}}) == ["3.12", "3.13"]
+    assert bs.other_pythons_shown({"python": "3.11.7", "other_pythons": {"3.9": {}}}) == ["3.9", "3.13"]
+    assert bs.on_python("capyctl", "3.13") == "capyctl (3.13)" and bs.minor("3.13.0") == "3.13"
+
+
+def test_every_verdict_of_both_pythons_is_counted():
+    results = _results(proxy_vs_nginx=_pvn(capy_ms=10.8, python="3.11.7", others={"3.13": (10.45, 0.98)}))
+    proxy = bs.groups(results)["proxy"]
+    # 3.11: added latency, vs nginx, p95 and first chunk MISS, chunks PASS; 3.13: added PASS, chunks MISS;
+    # the wake and the two RSS rows PASS.
+    assert bs.tally(proxy) == "7 PASS, 7 MISS, 0 not measured"
+    assert bs.render_markdown(proxy, "run-1").splitlines()[-1] == "7 PASS, 7 MISS, 0 not measured"
+    for rows in (proxy, bs.evaluate(results), bs.evaluate({})):
+        counted = sum(int(part.split()[0]) for part in bs.tally(rows).split(", "))
+        assert counted == sum(1 for r in rows if r.status != "info")
+
+
+def test_one_hop_on_each_python_stands_side_by_side_with_aiohttps_share():
+    hop = _hop()
+    hop.update(python="3.11.7", other_pythons={"3.13": {"executable": "/x/python", "version": "3.13.0"}})
+    hop["hop_s"].update({bs.AIOHTTP_SERVER: 1.5e-4, "capyctl (3.13)": 1.6e-4, "aiohttp-server (3.13)": 1.1e-4})
+    hop["cpu_per_request_s"].update({bs.AIOHTTP_SERVER: 1.2e-4, "capyctl (3.13)": 1.7e-4,
+                                     "aiohttp-server (3.13)": 0.9e-4})
+    hop["samples"] = {"capyctl": [3e-4, 5e-4, 4e-4], "capyctl (3.13)": [2.5e-4, 4.4e-4, 3.7e-4]}
+    rows = bs.hop_rows(hop)
+    assert [(r.measure, r.goal, r.status) for r in rows[:2]] == [
+        ("one hop over direct, instant engine (median)", "(profile)", "info"),
+        ("one hop over direct, instant engine (median), Python 3.13", "(profile)", "info")]
+    assert rows[0].value == ("Python 3.11.7: 200 us vs nginx's 100 us (2.000x); proxy CPU 200 us/request; "
+                             "aiohttp's server alone 150 us (CPU 120 us/request)")
+    assert rows[1].value == ("Python 3.13.0: 160 us vs nginx's 100 us (1.600x); proxy CPU 170 us/request; "
+                             "aiohttp's server alone 110 us (CPU 90 us/request); 50 us less than on Python 3.11.7, "
+                             "paired by turn")
+    missing = bs.hop_rows(_hop())[1]
+    assert (missing.status, missing.goal) == ("n/a", "(profile)")
+    assert missing.value.startswith("not measured: this run had no Python 3.13 (scripts/bench passes proxy_hop.py ")
+    assert bs.hop_rows(None) == []  # no proxy_hop.py at all: no hop rows, on any Python
 
 
 def test_the_hand_made_engine_client_is_kept_only_from_100_us_a_request():
