@@ -15,13 +15,21 @@ Three paths, alternated request by request in an order shuffled each turn (proxy
   run, whose summary row says KEEP or DELETE; a run of this script alone decides nothing);
 - floor: benchmarks/_minimal_relay.py, the least a Python proxy on the same event loop and parser
   can do (no key, no model read, no admission, no metrics): how much of CapyCTL's hop is its own
-  work rather than Python's.
+  work rather than Python's;
+- aiohttp-server: benchmarks/_aiohttp_relay.py, aiohttp's server as CapyCTL configures it relaying
+  through CapyCTL's engine client, none of CapyCTL's work: aiohttp's own share of the hop;
+- capyctl (3.13) and aiohttp-server (3.13), with ``--other-python PATH`` (repeatable; a venv's
+  python with CapyCTL installed, as ``PYTHON=python3.13 CAPYCTL_VENV=.venv-py3.13 scripts/setup venv``
+  makes it): the CapyCTL proxy and aiohttp's relay again, under that interpreter, on the same turns
+  (issue 57). aiohttp starts a connection's task and each request's handler eagerly from Python 3.12
+  on, on the loop's next turn before (aiohttp/web_protocol.py: ``eager_start=True`` under
+  ``sys.version_info >= (3, 12)``): the hop of the same code by Python.
 
 Prints median and p95 latency of each, the hop each proxy adds over direct, the ratio of
 CapyCTL's hop to nginx's, and what the hand-made engine client saves (latency paired by turn, and
 the proxy's CPU per request). ``--profile DIR`` records the proxy with py-spy while it runs and
 writes py-spy's flame graph (SVG), its collapsed stacks and the top functions there.
-Run: .venv/bin/python benchmarks/proxy_hop.py [--requests 2000] [--profile DIR]
+Run: .venv/bin/python benchmarks/proxy_hop.py [--requests 2000] [--profile DIR] [--other-python PATH]
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -44,9 +53,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The path of the proxy reaching its engine through aiohttp's client, and what the hand-made client
 # must save a request to stay (issue 45), named where the table judges it.
 import bench_goals as G  # noqa: E402
-from bench_summary import AIOHTTP_CLIENT  # noqa: E402
+from bench_summary import AIOHTTP_CLIENT, AIOHTTP_SERVER, on_python  # noqa: E402
 from proxy_overhead import CLIENT_KEY, free_port, p95, shuffled  # noqa: E402
-from proxy_vs_nginx import find_nginx, start_nginx, wait_healthy  # noqa: E402
+from proxy_vs_nginx import (add_other_python, find_nginx, other_pythons, relay_command, start_nginx,  # noqa: E402
+                            wait_healthy, wait_listening)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from capyctl.store import Store  # noqa: E402
@@ -109,7 +119,10 @@ async def measure(paths: dict[str, tuple[str, str]], requests: int, proxy_pids: 
     latency: dict[str, list[float]] = {name: [] for name in paths}
     async with aiohttp.ClientSession() as http:
         for name, (url, _) in paths.items():
-            await wait_healthy(http, url, name, path="/health" if name.startswith("capyctl") else "/")
+            if name.startswith(AIOHTTP_SERVER):  # _aiohttp_relay.py answers chat completions only
+                await wait_listening(int(url.rpartition(":")[2]))
+            else:
+                await wait_healthy(http, url, name, path="/health" if name.startswith("capyctl") else "/")
         for _ in range(50):  # warm pools and caches
             for url, key in paths.values():
                 await one(http, url, key)
@@ -146,16 +159,24 @@ def profile_report(svg: Path, raw: Path, out: Path) -> None:
     print("\n".join(lines[:18]))
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--nginx")
     parser.add_argument("--profile", type=Path, help="record the proxy with py-spy; write results here")
+    add_other_python(parser)
     parser.add_argument("--json", type=Path, help="write the figures as JSON here")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     nginx = find_nginx(args.nginx)
+    others = other_pythons(args.other_python)
     prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-hop-"))
-    engine_port, nginx_port, proxy_port, plain_port, floor_port = (free_port() for _ in range(5))
+    engine_port, nginx_port, proxy_port, plain_port, floor_port, relay_port = (free_port() for _ in range(6))
+    # The CapyCTL proxy (its own engine client) and aiohttp's relay on each other Python, by name.
+    other_ports = {on_python(name, version): free_port() for version in others for name in ("capyctl", AIOHTTP_SERVER)}
     servers = {"engine": ENGINE_SERVER.format(engine_port=engine_port, answer=ANSWER),
                "proxy": PROXY_SERVER.format(engine_port=engine_port, port=nginx_port)}
     _, store_key = Store(prefix / "state.db").create_key("bench")  # the daemon's keys, in SQLite
@@ -164,12 +185,21 @@ def main() -> None:
         for name, server in servers.items():
             processes.append(start_nginx(nginx, prefix / name, server, stderr=subprocess.DEVNULL))
         proxies = {}
-        for name, port, client in (("capyctl", proxy_port, "own"), (AIOHTTP_CLIENT, plain_port, "aiohttp")):
+        upstream = f"http://127.0.0.1:{engine_port}"
+        for name, port, client, python in (
+                ("capyctl", proxy_port, "own", sys.executable), (AIOHTTP_CLIENT, plain_port, "aiohttp", sys.executable),
+                *((on_python("capyctl", v), other_ports[on_python("capyctl", v)], "own", o["executable"])
+                  for v, o in others.items())):
             proxies[name] = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
-                 "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", "launch",
+                [python, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
+                 "--upstream", upstream, "--launch-key", "launch",
                  "--port", str(port), "--store", str(prefix / "state.db"), "--engine-client", client],
                 stdout=subprocess.DEVNULL)
+            processes.append(proxies[name])
+        for name, port, python in ((AIOHTTP_SERVER, relay_port, sys.executable),
+                                   *((on_python(AIOHTTP_SERVER, v), other_ports[on_python(AIOHTTP_SERVER, v)],
+                                      o["executable"]) for v, o in others.items())):
+            proxies[name] = subprocess.Popen(relay_command(python, upstream, "launch", port), stdout=subprocess.DEVNULL)
             processes.append(proxies[name])
         proxies["floor"] = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve().parent / "_minimal_relay.py"), "--upstream-port",
@@ -180,7 +210,10 @@ def main() -> None:
                  "nginx": (f"http://127.0.0.1:{nginx_port}", CLIENT_KEY),
                  "capyctl": (f"http://127.0.0.1:{proxy_port}", store_key),
                  AIOHTTP_CLIENT: (f"http://127.0.0.1:{plain_port}", store_key),
-                 "floor": (f"http://127.0.0.1:{floor_port}", CLIENT_KEY)}
+                 "floor": (f"http://127.0.0.1:{floor_port}", CLIENT_KEY),
+                 AIOHTTP_SERVER: (f"http://127.0.0.1:{relay_port}", CLIENT_KEY),
+                 **{name: (f"http://127.0.0.1:{port}", store_key if name.startswith("capyctl") else CLIENT_KEY)
+                    for name, port in other_ports.items()}}
         cpu: dict[str, float] = {}
         latency = asyncio.run(measure(paths, args.requests, {n: p.pid for n, p in proxies.items()}, cpu))
         if args.profile:
@@ -228,11 +261,23 @@ def main() -> None:
           "not of this script run alone)")
     print(f"floor, a minimal Python relay (_minimal_relay.py): hop {hop['floor'] * 1e6:.0f} us, "
           f"CPU {cpu['floor'] * 1e6:.0f} us/request")
+    print(f"Python {platform.python_version()} for every path not marked: capyctl's hop {hop['capyctl'] * 1e6:.0f} us, "
+          f"aiohttp's server alone {hop[AIOHTTP_SERVER] * 1e6:.0f} us (CPU {cpu[AIOHTTP_SERVER] * 1e6:.0f} us/request)")
+    for version, other in others.items():
+        name, relay = on_python("capyctl", version), on_python(AIOHTTP_SERVER, version)
+        less = statistics.median(a - b for a, b in zip(latency["capyctl"], latency[name]))
+        print(f"Python {other['version']} ({other['executable']}): capyctl's hop {hop[name] * 1e6:.0f} us, "
+              f"{abs(less) * 1e6:.0f} us {'less' if less >= 0 else 'more'} than on {platform.python_version()} "
+              f"(paired by turn), CPU {cpu[name] * 1e6:.0f} us/request; aiohttp's server alone "
+              f"{hop[relay] * 1e6:.0f} us (CPU {cpu[relay] * 1e6:.0f} us/request)")
     if args.json:
         args.json.write_text(json.dumps({"requests": args.requests, "median_s": med, "p95_s": tail,
                                          "hop_s": hop, "capyctl_per_request_s": cpu["capyctl"],
                                          "cpu_per_request_s": cpu, "engine_client_saves": saved,
-                                         "samples": latency}))
+                                         # The Python of every path not named on_python(path, version),
+                                         # and the others by version.
+                                         "python": platform.python_version(), "aiohttp": aiohttp.__version__,
+                                         "other_pythons": others, "samples": latency}))
     if args.profile and (args.profile / "proxy-hop.collapsed").exists():
         profile_report(args.profile / "proxy-hop.svg", args.profile / "proxy-hop.collapsed",
                        args.profile / "proxy-hop-top.txt")

@@ -20,7 +20,16 @@ machine's load and what one path leaves behind hit all alike:
 - litellm (``--litellm PATH``, the ``litellm`` command of a venv with ``litellm[proxy]``):
   LiteLLM's proxy, one worker, with the same llama-server as an OpenAI-compatible backend,
   measured in a pass of its own after the three above (what it does after answering would
-  otherwise land on their turns).
+  otherwise land on their turns);
+
+- capyctl and aiohttp-server on another Python (``--other-python PATH``, repeatable: the ``python``
+  of a venv with CapyCTL and its locked dependencies, as ``PYTHON=python3.13
+  CAPYCTL_VENV=.venv-py3.13 scripts/setup venv`` makes it): the same two processes under that
+  interpreter, named "capyctl (3.13)" and "aiohttp-server (3.13)" (bench_summary.on_python), the
+  proxy among direct, nginx and CapyCTL's turns (latency, streams, concurrent streams), the relay
+  on the latency turns. aiohttp starts a connection's task and each request's handler eagerly
+  from Python 3.12 on (aiohttp/web_protocol.py: ``eager_start=True`` under
+  ``sys.version_info >= (3, 12)``), so the same proxy's added latency differs by Python (issue 57).
 
 Prints latency of small requests (median, p95), time to first chunk and chunks/s of streams
 one at a time, aggregate chunks/s of 1, 8 and 64 concurrent streams (``--concurrency``; the
@@ -28,7 +37,7 @@ engine gets one slot per stream), and the ratios capyctl/nginx and capyctl/direc
 ``--json FILE`` writes every sample. nginx: ``--nginx PATH``, else $CAPYCTL_NGINX, else nginx on PATH
 (scripts/bench unpacks Debian's package into /var/cache/capyctl-build/nginx).
 Run: .venv/bin/python benchmarks/proxy_vs_nginx.py [--requests 60] [--streams 8] [--tokens 64]
-     [--concurrency 1,8,64] [--rounds 3] [--litellm PATH] [--json FILE]
+     [--concurrency 1,8,64] [--rounds 3] [--litellm PATH] [--other-python PATH] [--json FILE]
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import secrets
 import shutil
 import statistics
@@ -45,12 +55,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_summary import AIOHTTP_SERVER, minor, on_python  # noqa: E402
 from proxy_overhead import (CLIENT_KEY, find_model, free_port, load_arguments, one_request,  # noqa: E402
                             one_stream, p95, shuffled)
+
+HERE = Path(__file__).resolve().parent
+# What an --other-python interpreter runs first: the proxy's and the relay's scripts imported from
+# this folder (sys.argv[1]), all they import with them (CapyCTL from this checkout, as they put it
+# first on sys.path), then its version and aiohttp's printed.
+PROBE = ("import sys; sys.path.insert(0, sys.argv[1]); import _aiohttp_relay, _one_engine_proxy, aiohttp; "
+         "print('%d.%d.%d' % sys.version_info[:3], aiohttp.__version__)")
 
 # nginx with one worker, its files in a folder of its own; {server}: the http block's servers.
 NGINX_MAIN = """\
@@ -102,6 +121,50 @@ def start_nginx(nginx: str, folder: Path, server: str, **popen: object) -> subpr
     (folder / "nginx.conf").write_text(NGINX_MAIN.format(prefix=folder, server=server))
     return subprocess.Popen([nginx, "-p", str(folder), "-c", str(folder / "nginx.conf"),
                              "-e", str(folder / "error.log")], **popen)  # type: ignore[arg-type]
+
+
+def add_other_python(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--other-python, repeatable, for proxy_vs_nginx.py and proxy_hop.py."""
+    parser.add_argument("--other-python", action="append", default=[], metavar="PATH",
+                        help="also run the CapyCTL proxy and aiohttp's bare relay (_aiohttp_relay.py) under this "
+                             "interpreter (a venv's python with CapyCTL installed), as paths of their own named "
+                             "'capyctl (3.13)' and 'aiohttp-server (3.13)'; repeatable, one per Python")
+    return parser
+
+
+def other_pythons(executables: Sequence[str], own: str | None = None) -> dict[str, dict[str, str]]:
+    """Each --other-python by its major.minor: {"3.13": {"executable": PATH, "version": "3.13.0",
+    "aiohttp": "3.14.5"}}, from PROBE run under it. Exits, saying why, where one does not run or
+    cannot import what the proxy's process imports, or is the Python of this process (``own``, by
+    default this one's version) or of another --other-python: its paths would bear the same name."""
+    own = own or platform.python_version()
+    found: dict[str, dict[str, str]] = {}
+    for executable in executables:
+        try:
+            probe = subprocess.run([executable, "-c", PROBE, str(HERE)], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            sys.exit(f"--other-python {executable}: {exc}")
+        words = probe.stdout.split()
+        if probe.returncode != 0 or len(words) != 2:
+            why = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
+            sys.exit(f"--other-python {executable}: cannot run the proxy there: {why}")
+        version, aiohttp_version = words
+        label = minor(version)
+        assert label is not None
+        if label == minor(own):
+            sys.exit(f"--other-python {executable} is Python {version}, the minor version running this benchmark "
+                     f"({own}): its paths would be this Python's")
+        if label in found:
+            sys.exit(f"--other-python {executable} is Python {version}, as --other-python "
+                     f"{found[label]['executable']} is: one interpreter a Python")
+        found[label] = {"executable": executable, "version": version, "aiohttp": aiohttp_version}
+    return found
+
+
+def relay_command(python: str, upstream: str, launch_key: str, port: int) -> list[str]:
+    """benchmarks/_aiohttp_relay.py under ``python``: aiohttp's server with none of CapyCTL's work."""
+    return [python, str(HERE / "_aiohttp_relay.py"), "--upstream", upstream, "--launch-key", launch_key,
+            "--port", str(port)]
 
 
 def find_nginx(explicit: str | None) -> str:
@@ -165,22 +228,30 @@ def int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-async def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = load_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--nginx")
     parser.add_argument("--concurrency", type=int_list, default=[1, 8, 64],
                         help="concurrent stream counts (default 1,8,64)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each concurrent stream count per path")
     parser.add_argument("--litellm", help="LiteLLM's `litellm` command (its proxy), measured as a fourth path")
+    add_other_python(parser)
     parser.add_argument("--json", type=Path, help="write every sample and figure as JSON here")
-    args = parser.parse_args()
+    return parser
+
+
+async def main() -> None:
+    args = arguments().parse_args()
     nginx = find_nginx(args.nginx)
+    others = other_pythons(args.other_python)
     slots = max(args.concurrency + [4])
 
     engine_port, launch_key = free_port(), secrets.token_hex(16)
     prefix = Path(tempfile.mkdtemp(prefix="capyctl-bench-nginx-"))
     nginx_port, proxy_port, litellm_port, floor_port = free_port(), free_port(), free_port(), free_port()
     aiohttp_port = free_port()
+    # On each other Python: the CapyCTL proxy's port, then aiohttp's bare relay's.
+    other_ports = {version: (free_port(), free_port()) for version in others}
     processes: list[subprocess.Popen] = []
     litellm_status: dict[str, object] = {"measured": False, "error": "not asked for (--litellm)"}
     try:
@@ -195,10 +266,12 @@ async def main() -> None:
         processes.append(start_nginx(nginx, prefix, PROXY_SERVER.format(engine_port=engine_port, port=nginx_port,
                                                                         launch_key=launch_key),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        processes.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve().parent / "_one_engine_proxy.py"),
-             "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", launch_key,
-             "--client-key", CLIENT_KEY, "--port", str(proxy_port)], stdout=subprocess.DEVNULL))
+        for python, port in [(sys.executable, proxy_port)] + [(o["executable"], other_ports[v][0])
+                                                              for v, o in others.items()]:
+            processes.append(subprocess.Popen(
+                [python, str(HERE / "_one_engine_proxy.py"),
+                 "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", launch_key,
+                 "--client-key", CLIENT_KEY, "--port", str(port)], stdout=subprocess.DEVNULL))
         # The floor (_minimal_relay.py): a relay on the same event loop and parser with none of
         # CapyCTL's work, on the latency turns only (it relays no stream), so that every run shows
         # how much of CapyCTL's added latency is its own per-request work and how much Python's.
@@ -206,10 +279,10 @@ async def main() -> None:
             [sys.executable, str(Path(__file__).resolve().parent / "_minimal_relay.py"),
              "--upstream-port", str(engine_port), "--launch-key", launch_key, "--port", str(floor_port)],
             stdout=subprocess.DEVNULL))
-        processes.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve().parent / "_aiohttp_relay.py"),
-             "--upstream", f"http://127.0.0.1:{engine_port}", "--launch-key", launch_key, "--port", str(aiohttp_port)],
-            stdout=subprocess.DEVNULL))
+        for python, port in [(sys.executable, aiohttp_port)] + [(o["executable"], other_ports[v][1])
+                                                                for v, o in others.items()]:
+            processes.append(subprocess.Popen(relay_command(python, f"http://127.0.0.1:{engine_port}", launch_key,
+                                                            port), stdout=subprocess.DEVNULL))
         litellm = None
         if args.litellm:
             litellm = start_litellm(args.litellm, prefix, engine_port, launch_key, litellm_port)
@@ -217,10 +290,17 @@ async def main() -> None:
         paths = {"direct": (f"http://127.0.0.1:{engine_port}", launch_key),
                  "nginx": (f"http://127.0.0.1:{nginx_port}", CLIENT_KEY),
                  "capyctl": (f"http://127.0.0.1:{proxy_port}", CLIENT_KEY)}
+        # The same proxy on each other Python, among the turns of the one above (issue 57).
+        capyctl_on = [on_python("capyctl", version) for version in others]
+        paths.update({on_python("capyctl", version): (f"http://127.0.0.1:{ports[0]}", CLIENT_KEY)
+                      for version, ports in other_ports.items()})
         async with aiohttp.ClientSession() as http:
             await wait_healthy(http, paths["direct"][0], "llama-server")
             await wait_healthy(http, paths["nginx"][0], "nginx")
             await wait_healthy(http, paths["capyctl"][0], "the CapyCTL proxy")
+            for version in others:
+                await wait_healthy(http, paths[on_python("capyctl", version)][0],
+                                   f"the CapyCTL proxy on Python {version}")
             if litellm is not None:
                 error = await wait_litellm(http, f"http://127.0.0.1:{litellm_port}", litellm, prefix)
                 if error is None:
@@ -235,17 +315,22 @@ async def main() -> None:
             concurrency: dict[str, dict[str, dict[str, list[float]]]] = {
                 str(streams): {name: {"chunks_per_s": [], "wall_s": [], "ttfc_median_s": []} for name in paths}
                 for streams in args.concurrency}
-            # direct, nginx and CapyCTL take turns; LiteLLM is measured in a pass of its own after them:
+            # direct, nginx and CapyCTL (on each Python) take turns; LiteLLM is measured in a pass of its
+            # own after them:
             # it keeps working for milliseconds after it answers, and with a few rounds per stream count
             # the shuffled order spread that unevenly over the others (8 streams through CapyCTL read
             # 0.90x to 1.02x of direct with LiteLLM among the turns, 1.00x without).
-            passes = [{n: paths[n] for n in ("direct", "nginx", "capyctl")}]
+            passes = [{n: paths[n] for n in ("direct", "nginx", "capyctl", *capyctl_on)}]
             if "litellm" in paths:
                 passes.append({"litellm": paths["litellm"]})
             relays = {"floor": (f"http://127.0.0.1:{floor_port}", CLIENT_KEY),
-                      "aiohttp-server": (f"http://127.0.0.1:{aiohttp_port}", CLIENT_KEY)}
+                      AIOHTTP_SERVER: (f"http://127.0.0.1:{aiohttp_port}", CLIENT_KEY),
+                      **{on_python(AIOHTTP_SERVER, version): (f"http://127.0.0.1:{ports[1]}", CLIENT_KEY)
+                         for version, ports in other_ports.items()}}
             await wait_listening(floor_port)
             await wait_listening(aiohttp_port)
+            for ports in other_ports.values():
+                await wait_listening(ports[1])
             latency.update({name: [] for name in relays})
             for group in passes:
                 requests = {**group, **relays} if "capyctl" in group else group
@@ -280,7 +365,7 @@ async def main() -> None:
     def ms(v: float) -> str:
         return f"{v * 1000:.2f} ms"
 
-    names = list(paths) + ["floor", "aiohttp-server"]
+    names = list(paths) + [name for name in latency if name not in paths]  # the relays: floor, aiohttp-server
     rows = [("latency median (max_tokens 1)", {n: statistics.median(v) for n, v in latency.items()}, ms),
             ("latency p95", {n: p95(v) for n, v in latency.items()}, ms),
             ("time to first chunk median", {n: statistics.median(v) for n, v in ttfc.items()}, ms),
@@ -290,6 +375,9 @@ async def main() -> None:
     print(f"machine: {os.cpu_count()} cpus; {args.requests} small requests, {args.streams} streams of "
           f"{args.tokens} tokens on each path, then {args.rounds} rounds of {','.join(map(str, args.concurrency))} "
           f"concurrent streams; nginx {nginx}")
+    print(f"Python {platform.python_version()} (aiohttp {aiohttp.__version__}) for every path not marked"
+          + "".join(f"; ({version}): Python {o['version']} (aiohttp {o['aiohttp']}), {o['executable']}"
+                    for version, o in others.items()))
     width = max(12, *(len(n) + 2 for n in names))
     print(f"{'':34}" + "".join(f"{n:>{width}}" for n in names) + f"{'capyctl/nginx':>15}{'capyctl/direct':>16}")
     for label, values, fmt in rows:
@@ -300,7 +388,10 @@ async def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "requests": args.requests, "streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,
-            "engine_slots": slots, "nginx": nginx, "litellm": litellm_status, "latency_s": latency,
+            "engine_slots": slots, "nginx": nginx, "litellm": litellm_status,
+            # The Python of every path not named on_python(path, version), and the others by version.
+            "python": platform.python_version(), "aiohttp": aiohttp.__version__, "other_pythons": others,
+            "latency_s": latency,
             "ttfc_s": ttfc, "stream_chunks_per_s": rate, "concurrency": concurrency}))
 
 
