@@ -257,8 +257,8 @@ def proxy_rows(pvn: dict[str, Any] | None) -> list[Row]:
         added = over_direct(name)
         saved = paired_difference(lat["capyctl"], lat[name]) if paired(name, "capyctl") else None
         return Row(measure, f"{_on(versions[version])}{_ms(added)} over direct ({_x(_ratio(med[name], med['direct']))})"
-                   + added_ci(name) + aiohttp_alone(on_python(AIOHTTP_SERVER, version))
-                   + _more_or_less(saved, own, _ms),
+                   + added_ci(name) + _more_or_less(saved, own, _ms)
+                   + aiohttp_alone(on_python(AIOHTTP_SERVER, version)),
                    G.ADDED_LATENCY.shown, G.ADDED_LATENCY.judge(added), added)
 
     added, nginx_added, floor_added = over_direct("capyctl"), over_direct("nginx"), over_direct("floor")
@@ -441,8 +441,7 @@ def hop_rows(hop: dict[str, Any] | None) -> list[Row]:
         saved = paired_difference(*pair) if pair[0] and pair[1] and len(pair[0]) == len(pair[1]) else None
         return Row(measure, f"{_on(full)}{_us(hops[name])} vs nginx's {_us(nginx)} ({_x(_ratio(hops[name], nginx))})"
                    + (f"; proxy CPU {_us(cpus[name])}/request" if cpus.get(name) else "")
-                   + aiohttp_alone(on_python(AIOHTTP_SERVER, version))
-                   + _more_or_less(saved, own, _us),
+                   + _more_or_less(saved, own, _us) + aiohttp_alone(on_python(AIOHTTP_SERVER, version)),
                    "(profile)", "info", hops[name])
 
     rows = [Row(HOP_MEASURE,
