@@ -203,6 +203,7 @@ def test_daemon_sigkill_under_load_restarts_no_engine_and_loses_no_deployment(ca
     assert before[0] not in ("", "0")
     acknowledged: list[str] = []
     stop_deploying = threading.Event()
+    first_acknowledged = threading.Event()
 
     def keep_deploying() -> None:
         # Deployments recorded while the daemon dies: every one the CLI reported created must survive.
@@ -211,11 +212,15 @@ def test_daemon_sigkill_under_load_restarts_no_engine_and_loses_no_deployment(ca
                 return
             if _deploy(capyhost, f"extra{i}", smollm2, check=False).returncode == 0:
                 acknowledged.append(f"extra{i}")
+                first_acknowledged.set()
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         load = pool.submit(run_streams, ready_smollm2, 16, 64)
         deployer = pool.submit(keep_deploying)
-        time.sleep(2.0)  # streams in flight, deploys under way
+        # The kill comes once a deploy was acknowledged, with the next under way and streams in
+        # flight: a fixed 2 s was too short on a slower machine, where no deploy had finished
+        # and the test failed as having proved nothing.
+        first_acknowledged.wait(timeout=120)
         capyhost.kill_daemon()
         stop_deploying.set()
         results, _ = load.result(timeout=300)
